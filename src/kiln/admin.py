@@ -1,0 +1,247 @@
+"""The admin HTTP API under /admin/v1 (admin credential required).
+
+Organisations, projects, keys, credits, budgets, limits, usage and
+maintenance. Amounts go in and out as decimal USD strings (numbers are
+accepted on input) and are stored as exact nanodollars.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any, Awaitable, Callable
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kiln.core import errors
+from kiln.core.errors import GatewayError
+from kiln.core.keys import bearer_token
+from kiln.core.money import nano_to_usd_str, usd_to_nano
+from kiln.pipeline import Gateway
+from kiln.protocols.base import openai_error
+
+Handler = Callable[[Request, Gateway, dict[str, Any]], Awaitable[Any]]
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _usd(body: dict[str, Any], name: str, *, allow_none: bool = True) -> int | None:
+    value = body.get(name)
+    if value is None:
+        if allow_none:
+            return None
+        raise errors.invalid(f"'{name}' is required (USD).", param=name)
+    if isinstance(value, bool):
+        raise errors.invalid(f"'{name}' must be a USD amount.", param=name)
+    try:
+        return usd_to_nano(value)
+    except ValueError as exc:
+        raise errors.invalid(f"'{name}': {exc}", param=name) from None
+
+
+def _int_or_none(body: dict[str, Any], name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise errors.invalid(f"'{name}' must be a positive integer or null.", param=name)
+    return value
+
+
+def _time_or_none(body: dict[str, Any], name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            pass
+    raise errors.invalid(f"'{name}' must be a Unix time or an ISO 8601 date.", param=name)
+
+
+async def list_orgs(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    return {"object": "list", "data": [o.public() for o in gw.accounts.orgs.values()]}
+
+
+async def create_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    name = body.get("name")
+    if not isinstance(name, str) or not name:
+        raise errors.invalid("'name' is required.", param="name")
+    org = await gw.accounts.create_org(
+        name,
+        monthly_budget_nano=_usd(body, "monthly_budget"),
+        rpm_limit=_int_or_none(body, "rpm_limit"),
+        tpm_limit=_int_or_none(body, "tpm_limit"),
+        concurrency_limit=_int_or_none(body, "concurrency_limit"),
+    )
+    credits = _usd(body, "credits")
+    if credits:
+        await gw.accounts.add_credits(org.id, credits, "initial credits")
+    return org.public()
+
+
+async def get_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    org = gw.accounts.org(request.path_params["org_id"])
+    totals = await gw.accounts.store.usage_totals(org.id)
+    return {
+        **org.public(),
+        "usage_events": totals["events"],
+        "total_spend": nano_to_usd_str(totals["cost_nano"]),
+        "total_granted": nano_to_usd_str(totals["granted_nano"]),
+        "in_flight": gw.admission.in_flight(org.id),
+    }
+
+
+async def update_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    fields: dict[str, Any] = {}
+    if "monthly_budget" in body:
+        fields["monthly_budget_nano"] = _usd(body, "monthly_budget")
+    for name in ("rpm_limit", "tpm_limit", "concurrency_limit"):
+        if name in body:
+            fields[name] = _int_or_none(body, name)
+    unknown = set(body) - {"monthly_budget", "rpm_limit", "tpm_limit", "concurrency_limit"}
+    if unknown:
+        raise errors.invalid(f"Unknown fields: {', '.join(sorted(unknown))}.")
+    org = await gw.accounts.update_org(request.path_params["org_id"], **fields)
+    return org.public()
+
+
+async def add_credits(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    amount = _usd(body, "amount", allow_none=False)
+    assert amount is not None
+    note = body.get("note") if isinstance(body.get("note"), str) else ""
+    org = await gw.accounts.add_credits(request.path_params["org_id"], amount, note)
+    return org.public()
+
+
+async def list_projects(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    org_id = request.query_params.get("org_id")
+    data = [p.public() for p in gw.accounts.projects.values() if org_id in (None, p.org_id)]
+    return {"object": "list", "data": data}
+
+
+async def create_project(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    org_id, name = body.get("org_id"), body.get("name")
+    if not isinstance(org_id, str) or not isinstance(name, str) or not name:
+        raise errors.invalid("'org_id' and 'name' are required.")
+    return (await gw.accounts.create_project(org_id, name)).public()
+
+
+async def list_keys(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    q = request.query_params
+    data = [
+        k.public()
+        for k in gw.accounts.keys.values()
+        if q.get("project_id") in (None, k.project_id) and q.get("org_id") in (None, k.org_id)
+    ]
+    return {"object": "list", "data": data}
+
+
+async def create_key(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    project_id = body.get("project_id")
+    if not isinstance(project_id, str):
+        raise errors.invalid("'project_id' is required.", param="project_id")
+    name = body.get("name") if isinstance(body.get("name"), str) else ""
+    key, secret = await gw.accounts.create_key(
+        project_id, name, _usd(body, "spend_limit"), _time_or_none(body, "expires_at")
+    )
+    return {**key.public(), "key": secret, "note": "Store this key now: it is not shown again."}
+
+
+async def update_key(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    fields: dict[str, Any] = {}
+    if "spend_limit" in body:
+        fields["spend_limit_nano"] = _usd(body, "spend_limit")
+    if "expires_at" in body:
+        fields["expires_at"] = _time_or_none(body, "expires_at")
+    if "name" in body:
+        fields["name"] = str(body["name"])
+    unknown = set(body) - {"spend_limit", "expires_at", "name"}
+    if unknown:
+        raise errors.invalid(f"Unknown fields: {', '.join(sorted(unknown))}.")
+    return (await gw.accounts.update_key(request.path_params["key_id"], **fields)).public()
+
+
+def _status_setter(status: str) -> Handler:
+    async def handler(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+        return (await gw.accounts.set_key_status(request.path_params["key_id"], status)).public()
+
+    return handler
+
+
+async def list_usage(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    q = request.query_params
+    try:
+        limit = min(int(q.get("limit", "100")), 10_000)
+    except ValueError:
+        raise errors.invalid("'limit' must be an integer.", param="limit") from None
+    events = await gw.accounts.store.list_usage(q.get("org_id"), q.get("key_id"), limit)
+    return {"object": "list", "data": [e.public() for e in events]}
+
+
+async def get_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    m = gw.maintenance
+    return {"active": m.active, "until": m.until if m.active else None, "message": m.message}
+
+
+async def set_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    until = _time_or_none(body, "until")
+    if until is not None and until <= time.time():
+        raise errors.invalid("'until' must be in the future (or null to end maintenance).", param="until")
+    gw.maintenance.until = until
+    if isinstance(body.get("message"), str):
+        gw.maintenance.message = body["message"]
+    return await get_maintenance(request, gw, body)
+
+
+def _endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaitable[Response]]:
+    async def endpoint(request: Request) -> Response:
+        gw: Gateway = request.app.state.gateway
+        try:
+            token, _ = bearer_token(request.headers.get("authorization"), None)
+            if token is None or not gw.accounts.is_admin(token):
+                raise errors.unauthorized("An admin credential is required (Authorization: Bearer <admin key>).")
+            body: dict[str, Any] = {}
+            if request.method in ("POST", "PATCH", "PUT"):
+                raw = await request.body()
+                if raw:
+                    try:
+                        body = orjson.loads(raw)
+                    except orjson.JSONDecodeError:
+                        raise errors.invalid("The request body is not valid JSON.") from None
+                    if not isinstance(body, dict):
+                        raise errors.invalid("The request body must be a JSON object.")
+            return _json(await handler(request, gw, body), status)
+        except GatewayError as err:
+            reply = openai_error(err)
+            return Response(reply.body, status_code=reply.status, media_type=reply.media_type)
+
+    return endpoint
+
+
+routes = [
+    Route("/admin/v1/orgs", _endpoint(list_orgs), methods=["GET"]),
+    Route("/admin/v1/orgs", _endpoint(create_org, 201), methods=["POST"]),
+    Route("/admin/v1/orgs/{org_id}", _endpoint(get_org), methods=["GET"]),
+    Route("/admin/v1/orgs/{org_id}", _endpoint(update_org), methods=["PATCH"]),
+    Route("/admin/v1/orgs/{org_id}/credits", _endpoint(add_credits), methods=["POST"]),
+    Route("/admin/v1/projects", _endpoint(list_projects), methods=["GET"]),
+    Route("/admin/v1/projects", _endpoint(create_project, 201), methods=["POST"]),
+    Route("/admin/v1/keys", _endpoint(list_keys), methods=["GET"]),
+    Route("/admin/v1/keys", _endpoint(create_key, 201), methods=["POST"]),
+    Route("/admin/v1/keys/{key_id}", _endpoint(update_key), methods=["PATCH"]),
+    Route("/admin/v1/keys/{key_id}/suspend", _endpoint(_status_setter("suspended")), methods=["POST"]),
+    Route("/admin/v1/keys/{key_id}/reactivate", _endpoint(_status_setter("active")), methods=["POST"]),
+    Route("/admin/v1/keys/{key_id}/revoke", _endpoint(_status_setter("revoked")), methods=["POST"]),
+    Route("/admin/v1/usage", _endpoint(list_usage), methods=["GET"]),
+    Route("/admin/v1/maintenance", _endpoint(get_maintenance), methods=["GET"]),
+    Route("/admin/v1/maintenance", _endpoint(set_maintenance), methods=["PUT"]),
+]

@@ -1,0 +1,170 @@
+"""The ASGI application: routes, and the lifespan that opens and closes
+the store, the ledger writer, the upstream pool and the health probe.
+
+Plain ASGI through Starlette, so uvicorn serves it by default and Granian
+can too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import AsyncIterator, Callable
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from kiln import admin
+from kiln.catalog import Catalog
+from kiln.config import Settings
+from kiln.core import errors
+from kiln.core.accounts import Accounts
+from kiln.core.admission import Admission
+from kiln.core.errors import GatewayError
+from kiln.core.keys import bearer_token, hash_key
+from kiln.core.ledger import Ledger
+from kiln.core.money import nano_to_usd_str
+from kiln.pipeline import Gateway
+from kiln.protocols.base import openai_error
+from kiln.protocols.chat import ChatTranslator
+from kiln.router import Router
+from kiln.store.sqlite import SQLiteStore
+from kiln.upstream import Upstream
+
+log = logging.getLogger("kiln")
+
+OnReady = Callable[[Gateway], "contextlib.AbstractAsyncContextManager[None] | None"]
+
+
+def _json(data: object, status: int = 200) -> Response:
+    return Response(orjson.dumps(data), status_code=status, media_type="application/json")
+
+
+def _error(err: GatewayError) -> Response:
+    reply = openai_error(err)
+    return Response(reply.body, status_code=reply.status, media_type=reply.media_type, headers=reply.headers)
+
+
+async def chat_completions(request: Request) -> Response:
+    return await request.app.state.gateway.handle(request, ChatTranslator)  # type: ignore[no-any-return]
+
+
+async def list_models(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    try:
+        gw.authenticate(request)
+    except GatewayError as err:
+        return _error(err)
+    data = []
+    for model in gw.catalog.available():
+        entry = model.listing()
+        data.append(entry)
+        for alias in model.aliases:
+            data.append({**entry, "id": alias, "alias_of": model.id})
+    return _json({"object": "list", "data": data})
+
+
+async def key_info(request: Request) -> Response:
+    """GET /v1/key: Bearer only, per the contract."""
+    gw: Gateway = request.app.state.gateway
+    try:
+        token, problem = bearer_token(request.headers.get("authorization"), None)
+        if token is None:
+            raise errors.unauthorized(problem or "Send the key as 'Authorization: Bearer <key>'.")
+        key = gw.accounts.authenticate(token)
+    except GatewayError as err:
+        return _error(err)
+    project = gw.accounts.projects[key.project_id]
+    return _json(
+        {
+            "id": key.id,
+            "name": key.name,
+            "prefix": key.prefix,
+            "project": {"id": project.id, "name": project.name},
+            "org_id": key.org_id,
+            "status": key.status,
+            "spend_limit": None if key.spend_limit_nano is None else nano_to_usd_str(key.spend_limit_nano),
+            "expires_at": None if key.expires_at is None else int(key.expires_at),
+            "spend": nano_to_usd_str(key.spend_nano),
+        }
+    )
+
+
+async def health(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    maintenance = gw.maintenance.active
+    return _json(
+        {
+            "status": "maintenance" if maintenance else "ok",
+            "maintenance_until": gw.maintenance.until if maintenance else None,
+            "models": {m.id: m.available for m in gw.catalog.models},
+            "in_flight": gw.in_flight,
+        }
+    )
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err = errors.not_found(f"No such endpoint: {request.method} {request.url.path}.", code="unknown_endpoint")
+    elif exc.status_code == 405:
+        err = GatewayError(405, f"Method {request.method} is not allowed on {request.url.path}.",
+                           code="method_not_allowed")
+    else:
+        err = GatewayError(exc.status_code, str(exc.detail))
+    return _error(err)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+    return _error(GatewayError(500, "Internal error in the gateway.", "api_error", "internal_error"))
+
+
+def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway], object] | None = None) -> Starlette:
+    """The gateway as an ASGI app; `on_ready(gateway)` runs once everything is open."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        store = SQLiteStore(settings.database_path, settings.sqlite_synchronous)
+        await store.open()
+        accounts = Accounts(store)
+        await accounts.load()
+        if settings.admin_key:
+            accounts.add_admin_hash(hash_key(settings.admin_key))
+        ledger = Ledger(store, accounts.apply_usage)
+        await ledger.start()
+        upstream = Upstream(settings.connect_timeout_s, settings.request_timeout_s)
+        await upstream.start()
+        router = Router(catalog, upstream, settings.backend_retry_s)
+        await router.probe_all()
+        await router.start()
+        gateway = Gateway(settings, catalog, accounts, Admission(settings.limits), ledger, upstream, router)
+        app.state.gateway = gateway
+        if on_ready is not None:
+            result = on_ready(gateway)
+            if hasattr(result, "__await__"):
+                await result  # type: ignore[misc]
+        try:
+            yield
+        finally:
+            await router.stop()
+            await ledger.stop()
+            await upstream.close()
+            await store.close()
+
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/key", key_info, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        *admin.routes,
+    ]
+    return Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: _http_error, Exception: _server_error},
+    )

@@ -1,0 +1,112 @@
+"""The model catalog: what Kiln serves, where, at what price, with which abilities.
+
+Built once from configuration. A model has a public id, optional aliases
+(e.g. a Claude or GPT name mapped onto a served model) and one or more
+backends. Backend health is tracked here too, so `GET /v1/models` and the
+router agree on what can be served right now.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from kiln.core.money import Prices
+
+TOOL_CHOICE_MODES = ("auto", "none", "required", "named")
+
+
+@dataclass(slots=True)
+class Backend:
+    url: str  # base URL including /v1, no trailing slash
+    model: str  # the model name the server knows
+    api_key: str | None = None
+    down_until: float = 0.0
+    failures: int = 0
+
+    @property
+    def available(self) -> bool:
+        return self.down_until <= time.monotonic()
+
+    def mark_down(self, seconds: float) -> None:
+        self.failures += 1
+        self.down_until = time.monotonic() + seconds
+
+    def mark_up(self) -> None:
+        self.failures = 0
+        self.down_until = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    image_input: bool = False
+    tool_choice: frozenset[str] = frozenset({"auto", "none"})
+    parallel_tool_calls: bool = False
+    reasoning: bool = False
+    response_format: bool = False
+
+
+@dataclass(slots=True)
+class Model:
+    id: str
+    backends: list[Backend]
+    prices: Prices
+    context_window: int
+    max_output_tokens: int
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    family: str = ""
+    aliases: tuple[str, ...] = ()
+    owned_by: str = "kiln"
+    simulated: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def available(self) -> bool:
+        return any(b.available for b in self.backends)
+
+    def listing(self) -> dict[str, object]:
+        """The `GET /v1/models` entry, with the metadata clients look for."""
+        caps = self.capabilities
+        return {
+            "id": self.id,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kiln (simulated)" if self.simulated else self.owned_by,
+            "context_window": self.context_window,
+            "max_output_tokens": self.max_output_tokens,
+            "aliases": list(self.aliases),
+            "capabilities": {
+                "image_input": caps.image_input,
+                "tool_choice": sorted(caps.tool_choice),
+                "parallel_tool_calls": caps.parallel_tool_calls,
+                "reasoning": caps.reasoning,
+                "response_format": caps.response_format,
+            },
+            "pricing": {
+                "input": str(self.prices.input),
+                "cached_input": str(self.prices.cached_input),
+                "output": str(self.prices.output),
+                "unit": "USD per 1M tokens",
+            },
+            "simulated": self.simulated,
+        }
+
+
+class Catalog:
+    def __init__(self, models: list[Model]) -> None:
+        self.models = models
+        self._by_name: dict[str, Model] = {}
+        for model in models:
+            for name in (model.id, *model.aliases):
+                if name in self._by_name:
+                    raise ValueError(f"model name {name!r} is used twice in the catalog")
+                self._by_name[name] = model
+
+    def get(self, name: str) -> Model | None:
+        return self._by_name.get(name)
+
+    def available(self) -> list[Model]:
+        return [m for m in self.models if m.available]
+
+    def backends(self) -> list[Backend]:
+        return [b for m in self.models for b in m.backends]

@@ -1,0 +1,281 @@
+"""The `kiln` command: serve the gateway, run the simulator, administer.
+
+    kiln serve [--config kiln.toml] [--host H] [--port P] [--data-dir D]
+    kiln sim [--port P] ...                      (the vLLM-like model-server simulator)
+    kiln admin orgs|projects|keys|usage|maintenance ...   (talks to a running gateway)
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import subprocess
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kiln import config
+from kiln.config import ConfigError, Settings
+
+DEMO_CREDITS_USD = "5"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "sim":
+        from kiln.sim import main as sim_main
+
+        sim_main(argv[1:])
+        return
+    parser = argparse.ArgumentParser(prog="kiln", description="Kiln LLM API gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start the gateway")
+    serve.add_argument("--config", help="TOML configuration file (default: $KILN_CONFIG or ./kiln.toml if present)")
+    serve.add_argument("--host")
+    serve.add_argument("--port", type=int)
+    serve.add_argument("--data-dir")
+    sub.add_parser("sim", help="start the model-server simulator (see `kiln sim --help`)")
+    _admin_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        serve_command(args)
+    else:
+        admin_command(args)
+
+
+# -- serve ----------------------------------------------------------------------
+
+
+def serve_command(args: argparse.Namespace) -> None:
+    path = args.config or os.environ.get("KILN_CONFIG")
+    if path is None and Path("kiln.toml").exists():
+        path = "kiln.toml"
+    try:
+        settings = config.load(path)
+    except ConfigError as exc:
+        print(f"kiln: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if args.host:
+        settings.host = args.host
+    if args.port is not None:
+        settings.port = args.port
+    if args.data_dir:
+        settings.data_dir = Path(args.data_dir)
+    sim_url = start_demo_simulator() if settings.demo else None
+    catalog = config.build_catalog(settings, sim_url=sim_url)
+
+    import uvicorn
+
+    from kiln.app import create_app
+
+    app = create_app(settings, catalog, on_ready=lambda gw: _bootstrap(gw, settings))
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=30,
+    )
+
+
+def start_demo_simulator() -> str:
+    """Start `kiln sim` for the demo model; returns its /v1 base URL."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln.sim", "--port", "0", "--model", config.DEMO_MODEL, "--token-delay-ms", "20"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    atexit.register(proc.terminate)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        raise SystemExit("kiln: the demo simulator did not start")
+    url = line.rsplit(" ", 1)[-1].strip()
+    print(f"kiln: demo mode: model '{config.DEMO_MODEL}' is SIMULATED by `kiln sim` at {url}", flush=True)
+    return url + "/v1"
+
+
+async def _bootstrap(gw: Any, settings: Settings) -> None:
+    """First start: an admin credential, and in demo mode a demo org and key; each shown once."""
+    accounts = gw.accounts
+    base = f"http://{settings.host}:{settings.port}"
+    if not settings.admin_key:
+        admin_key = await accounts.create_admin_key()
+        if admin_key:
+            print(f"\nkiln: admin credential (shown once, store it): {admin_key}\n"
+                  f"      use it as KILN_ADMIN_KEY for `kiln admin ...`", flush=True)
+    if settings.demo and not accounts.orgs:
+        from kiln.core.money import usd_to_nano
+
+        org = await accounts.create_org("demo")
+        await accounts.add_credits(org.id, usd_to_nano(DEMO_CREDITS_USD), "demo credits")
+        project = await accounts.create_project(org.id, "default")
+        _, secret = await accounts.create_key(project.id, "demo")
+        print(_DEMO_SNIPPET.format(key=secret, base=base, model=config.DEMO_MODEL, credits=DEMO_CREDITS_USD),
+              flush=True)
+
+
+_DEMO_SNIPPET = """
+kiln: demo key (shown once, ${credits} of credits): {key}
+
+Try it:
+
+curl {base}/v1/chat/completions \\
+  -H "Authorization: Bearer {key}" \\
+  -H "Content-Type: application/json" \\
+  -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}' -i
+
+python3 - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="{base}/v1", api_key="{key}")
+resp = client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hello!"}}])
+print(resp.choices[0].message.content, resp.usage)
+PY
+"""
+
+
+# -- admin ----------------------------------------------------------------------
+
+
+def _admin_parser(sub: Any) -> None:
+    admin = sub.add_parser("admin", help="administer a running gateway through /admin/v1")
+    admin.add_argument("--url", default=os.environ.get("KILN_URL", "http://127.0.0.1:8080"))
+    admin.add_argument("--admin-key", default=os.environ.get("KILN_ADMIN_KEY"))
+    what = admin.add_subparsers(dest="what", required=True)
+
+    orgs = what.add_parser("orgs").add_subparsers(dest="verb", required=True)
+    orgs.add_parser("list")
+    c = orgs.add_parser("create")
+    c.add_argument("name")
+    c.add_argument("--credits")
+    c.add_argument("--monthly-budget")
+    for limit in ("--rpm-limit", "--tpm-limit", "--concurrency-limit"):
+        c.add_argument(limit, type=int)
+    g = orgs.add_parser("show")
+    g.add_argument("org_id")
+    cr = orgs.add_parser("add-credits")
+    cr.add_argument("org_id")
+    cr.add_argument("amount")
+    cr.add_argument("--note", default="")
+    b = orgs.add_parser("set")
+    b.add_argument("org_id")
+    b.add_argument("--monthly-budget")
+    for limit in ("--rpm-limit", "--tpm-limit", "--concurrency-limit"):
+        b.add_argument(limit, type=int)
+
+    projects = what.add_parser("projects").add_subparsers(dest="verb", required=True)
+    pl = projects.add_parser("list")
+    pl.add_argument("--org-id")
+    pc = projects.add_parser("create")
+    pc.add_argument("org_id")
+    pc.add_argument("name")
+
+    keys = what.add_parser("keys").add_subparsers(dest="verb", required=True)
+    kl = keys.add_parser("list")
+    kl.add_argument("--project-id")
+    kc = keys.add_parser("create")
+    kc.add_argument("project_id")
+    kc.add_argument("--name", default="")
+    kc.add_argument("--spend-limit")
+    kc.add_argument("--expires-at", help="Unix time or ISO 8601")
+    for verb in ("suspend", "reactivate", "revoke"):
+        keys.add_parser(verb).add_argument("key_id")
+    ks = keys.add_parser("set")
+    ks.add_argument("key_id")
+    ks.add_argument("--spend-limit")
+    ks.add_argument("--expires-at")
+
+    usage = what.add_parser("usage").add_subparsers(dest="verb", required=True)
+    ul = usage.add_parser("list")
+    ul.add_argument("--org-id")
+    ul.add_argument("--key-id")
+    ul.add_argument("--limit", type=int, default=20)
+
+    maint = what.add_parser("maintenance").add_subparsers(dest="verb", required=True)
+    maint.add_parser("show")
+    mon = maint.add_parser("on")
+    mon.add_argument("until", help="end of maintenance: Unix time or ISO 8601")
+    mon.add_argument("--message")
+    maint.add_parser("off")
+
+
+def admin_command(args: argparse.Namespace) -> None:
+    if not args.admin_key:
+        raise SystemExit("kiln admin: set KILN_ADMIN_KEY or pass --admin-key")
+    w, v = args.what, args.verb
+    limits = {n: getattr(args, n, None) for n in ("rpm_limit", "tpm_limit", "concurrency_limit")}
+    limits = {k: val for k, val in limits.items() if val is not None}
+    calls: dict[tuple[str, str], tuple[str, str, dict[str, Any] | None]] = {
+        ("orgs", "list"): ("GET", "/orgs", None),
+        ("orgs", "create"): ("POST", "/orgs", {"name": getattr(args, "name", None), "credits": getattr(args, "credits", None),
+                                               "monthly_budget": getattr(args, "monthly_budget", None), **limits}),
+        ("orgs", "show"): ("GET", f"/orgs/{getattr(args, 'org_id', '')}", None),
+        ("orgs", "add-credits"): ("POST", f"/orgs/{getattr(args, 'org_id', '')}/credits",
+                                  {"amount": getattr(args, "amount", None), "note": getattr(args, "note", "")}),
+        ("orgs", "set"): ("PATCH", f"/orgs/{getattr(args, 'org_id', '')}",
+                          {**({"monthly_budget": args.monthly_budget} if getattr(args, "monthly_budget", None) else {}),
+                           **limits}),
+        ("projects", "list"): ("GET", "/projects" + _query(org_id=getattr(args, "org_id", None)), None),
+        ("projects", "create"): ("POST", "/projects", {"org_id": getattr(args, "org_id", None),
+                                                       "name": getattr(args, "name", None)}),
+        ("keys", "list"): ("GET", "/keys" + _query(project_id=getattr(args, "project_id", None)), None),
+        ("keys", "create"): ("POST", "/keys", {"project_id": getattr(args, "project_id", None),
+                                               "name": getattr(args, "name", ""),
+                                               "spend_limit": getattr(args, "spend_limit", None),
+                                               "expires_at": _when(getattr(args, "expires_at", None))}),
+        ("keys", "set"): ("PATCH", f"/keys/{getattr(args, 'key_id', '')}",
+                          {k: val for k, val in (("spend_limit", getattr(args, "spend_limit", None)),
+                                                 ("expires_at", _when(getattr(args, "expires_at", None))))
+                           if val is not None}),
+        ("usage", "list"): ("GET", "/usage" + _query(org_id=getattr(args, "org_id", None),
+                                                     key_id=getattr(args, "key_id", None),
+                                                     limit=getattr(args, "limit", None)), None),
+        ("maintenance", "show"): ("GET", "/maintenance", None),
+        ("maintenance", "on"): ("PUT", "/maintenance", {"until": _when(getattr(args, "until", None)),
+                                                        **({"message": args.message} if getattr(args, "message", None)
+                                                           else {})}),
+        ("maintenance", "off"): ("PUT", "/maintenance", {"until": None}),
+    }
+    if w == "keys" and v in ("suspend", "reactivate", "revoke"):
+        method, path, body = "POST", f"/keys/{args.key_id}/{v}", {}
+    else:
+        method, path, body = calls[(w, v)]
+    print(json.dumps(_call(args.url, args.admin_key, method, path, body), indent=2))
+
+
+def _when(value: str | None) -> float | str | None:
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _query(**params: Any) -> str:
+    pairs = [f"{k}={v}" for k, v in params.items() if v is not None]
+    return "?" + "&".join(pairs) if pairs else ""
+
+
+def _call(url: str, admin_key: str, method: str, path: str, body: dict[str, Any] | None) -> Any:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(
+        url.rstrip("/") + "/admin/v1" + path,
+        data=data,
+        method=method,
+        headers={"Authorization": f"Bearer {admin_key}", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        raise SystemExit(f"kiln admin: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
+    except urllib.error.URLError as exc:
+        raise SystemExit(f"kiln admin: cannot reach {url}: {exc.reason}") from None

@@ -1,0 +1,280 @@
+"""Configuration: one TOML file plus environment variables for secrets.
+
+Everything is validated at start, and every mistake is reported at once with
+its place in the file (unknown field with a suggestion, bad URL, missing
+price), so a typo never starts a gateway that silently ignores it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from kiln.catalog import TOOL_CHOICE_MODES, Backend, Capabilities, Catalog, Model
+from kiln.core.money import Prices
+
+DEFAULT_PORT = 8080
+DEMO_MODEL = "demo-model"
+
+
+class ConfigError(ValueError):
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class Limits:
+    """Per-organisation defaults; an organisation may override each."""
+
+    rpm: int = 60
+    tpm: int | None = None
+    concurrency: int = 8
+
+
+@dataclass
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    data_dir: Path = Path("kiln-data")
+    database: str = ""  # "sqlite:///path"; default: <data_dir>/kiln.db
+    sqlite_synchronous: str = "NORMAL"
+    max_body_bytes: int = 8 * 1024 * 1024
+    request_timeout_s: float = 3600.0
+    keepalive_s: float = 15.0
+    connect_timeout_s: float = 10.0
+    backend_retry_s: float = 5.0
+    log_level: str = "info"
+    limits: Limits = field(default_factory=Limits)
+    models: list[dict[str, Any]] = field(default_factory=list)  # validated model tables
+    demo: bool = False  # no models configured: serve the simulated demo model
+    admin_key: str | None = None  # from KILN_ADMIN_KEY
+
+    @property
+    def database_path(self) -> str:
+        if self.database:
+            return self.database.removeprefix("sqlite:///")
+        return str(self.data_dir / "kiln.db")
+
+
+_SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "host": str, "port": int, "data_dir": str, "database": str, "sqlite_synchronous": str,
+    "max_body_bytes": int, "request_timeout_s": (int, float), "keepalive_s": (int, float),
+    "connect_timeout_s": (int, float), "backend_retry_s": (int, float), "log_level": str,
+}
+_LIMIT_FIELDS: dict[str, type | tuple[type, ...]] = {"rpm": int, "tpm": int, "concurrency": int}
+_MODEL_FIELDS = {
+    "id", "aliases", "backends", "context_window", "max_output_tokens", "prices",
+    "capabilities", "family", "owned_by", "simulated",
+}
+_BACKEND_FIELDS = {"url", "model", "api_key_env"}
+_PRICE_FIELDS = ("input", "cached_input", "output")
+_CAP_FIELDS = {"image_input", "tool_choice", "parallel_tool_calls", "reasoning", "response_format"}
+
+
+def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings:
+    """Read and validate the configuration; raises ConfigError listing every problem."""
+    env = dict(os.environ if env is None else env)
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError([f"{path}: file not found"]) from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
+    problems: list[str] = []
+    _unknown(raw, {"server", "limits", "models"}, "", problems)
+    settings = Settings()
+    server = _table(raw, "server", problems)
+    _unknown(server, set(_SERVER_FIELDS), "server.", problems)
+    for name, kind in _SERVER_FIELDS.items():
+        if name in server:
+            value = server[name]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                problems.append(f"server.{name}: expected {_kind(kind)}, got {value!r}")
+            else:
+                setattr(settings, name, Path(value) if name == "data_dir" else value)
+    limits = _table(raw, "limits", problems)
+    _unknown(limits, set(_LIMIT_FIELDS), "limits.", problems)
+    for name in _LIMIT_FIELDS:
+        if name in limits:
+            if not _positive_int(limits[name]):
+                problems.append(f"limits.{name}: expected a positive integer, got {limits[name]!r}")
+            else:
+                setattr(settings.limits, name, limits[name])
+    if settings.sqlite_synchronous.upper() not in ("NORMAL", "FULL"):
+        problems.append("server.sqlite_synchronous: expected 'normal' or 'full'")
+    # Environment overrides (for containers and tests) and secrets.
+    for var, name, conv in (
+        ("KILN_HOST", "host", str), ("KILN_PORT", "port", int), ("KILN_DATA_DIR", "data_dir", Path),
+        ("KILN_DATABASE", "database", str),
+    ):
+        if var in env:
+            try:
+                setattr(settings, name, conv(env[var]))
+            except ValueError:
+                problems.append(f"{var}: not a valid {name}: {env[var]!r}")
+    settings.admin_key = env.get("KILN_ADMIN_KEY") or None
+    models = raw.get("models", [])
+    if not isinstance(models, list):
+        problems.append("models: expected an array of tables ([[models]])")
+        models = []
+    for i, model in enumerate(models):
+        _check_model(model, f"models[{i}]", env, problems)
+    if problems:
+        raise ConfigError(problems)
+    settings.models = models
+    settings.demo = not models
+    return settings
+
+
+def build_catalog(settings: Settings, env: dict[str, str] | None = None, sim_url: str | None = None) -> Catalog:
+    """The catalog from validated settings; in demo mode, the simulated demo model."""
+    env = dict(os.environ if env is None else env)
+    if settings.demo:
+        assert sim_url is not None, "demo mode needs the simulator's URL"
+        return Catalog([demo_model(sim_url)])
+    return Catalog([_model(m, env) for m in settings.models])
+
+
+def demo_model(sim_url: str) -> Model:
+    return Model(
+        id=DEMO_MODEL,
+        backends=[Backend(url=sim_url.rstrip("/"), model=DEMO_MODEL)],
+        prices=Prices(Decimal("0.10"), Decimal("0.05"), Decimal("0.40")),
+        context_window=32768,
+        max_output_tokens=8192,
+        capabilities=Capabilities(tool_choice=frozenset({"auto", "none"})),
+        family="simulated",
+        simulated=True,
+    )
+
+
+def _model(m: dict[str, Any], env: dict[str, str]) -> Model:
+    caps = m.get("capabilities", {})
+    prices = m["prices"]
+    return Model(
+        id=m["id"],
+        aliases=tuple(m.get("aliases", ())),
+        backends=[
+            Backend(
+                url=b["url"].rstrip("/"),
+                model=b.get("model", m["id"]),
+                api_key=env.get(b["api_key_env"]) if b.get("api_key_env") else None,
+            )
+            for b in m["backends"]
+        ],
+        prices=Prices(*(Decimal(str(prices.get(n, prices["input"]))) for n in _PRICE_FIELDS)),
+        context_window=m["context_window"],
+        max_output_tokens=m.get("max_output_tokens", m["context_window"]),
+        capabilities=Capabilities(
+            image_input=caps.get("image_input", False),
+            tool_choice=frozenset(caps.get("tool_choice", ("auto", "none"))),
+            parallel_tool_calls=caps.get("parallel_tool_calls", False),
+            reasoning=caps.get("reasoning", False),
+            response_format=caps.get("response_format", False),
+        ),
+        family=m.get("family", ""),
+        owned_by=m.get("owned_by", "kiln"),
+        simulated=m.get("simulated", False),
+    )
+
+
+def _check_model(m: Any, where: str, env: dict[str, str], problems: list[str]) -> None:
+    if not isinstance(m, dict):
+        problems.append(f"{where}: expected a table")
+        return
+    _unknown(m, _MODEL_FIELDS, f"{where}.", problems)
+    if not isinstance(m.get("id"), str) or not m.get("id"):
+        problems.append(f"{where}.id: required, a non-empty string")
+    else:
+        where = f"models[{m['id']}]"
+    aliases = m.get("aliases", [])
+    if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
+        problems.append(f"{where}.aliases: expected a list of names")
+    if not _positive_int(m.get("context_window")):
+        problems.append(f"{where}.context_window: required, a positive integer")
+    if "max_output_tokens" in m and not _positive_int(m["max_output_tokens"]):
+        problems.append(f"{where}.max_output_tokens: expected a positive integer")
+    prices = m.get("prices")
+    if not isinstance(prices, dict):
+        problems.append(f"{where}.prices: required table with input, cached_input and output (USD per 1M tokens)")
+    else:
+        _unknown(prices, set(_PRICE_FIELDS), f"{where}.prices.", problems)
+        for name in ("input", "output"):
+            if name not in prices:
+                problems.append(f"{where}.prices.{name}: missing price (USD per 1M tokens)")
+        for name in _PRICE_FIELDS:
+            if name in prices and not _price_ok(prices[name]):
+                problems.append(f"{where}.prices.{name}: expected a non-negative decimal, got {prices[name]!r}")
+    caps = m.get("capabilities", {})
+    if not isinstance(caps, dict):
+        problems.append(f"{where}.capabilities: expected a table")
+    else:
+        _unknown(caps, _CAP_FIELDS, f"{where}.capabilities.", problems)
+        modes = caps.get("tool_choice", ["auto", "none"])
+        if not isinstance(modes, list) or any(x not in TOOL_CHOICE_MODES for x in modes):
+            problems.append(f"{where}.capabilities.tool_choice: a list of {', '.join(TOOL_CHOICE_MODES)}")
+        for name in _CAP_FIELDS - {"tool_choice"}:
+            if name in caps and not isinstance(caps[name], bool):
+                problems.append(f"{where}.capabilities.{name}: expected true or false")
+    backends = m.get("backends")
+    if not isinstance(backends, list) or not backends:
+        problems.append(f"{where}.backends: at least one backend ([[models.backends]] with url)")
+        return
+    for j, b in enumerate(backends):
+        bw = f"{where}.backends[{j}]"
+        if not isinstance(b, dict):
+            problems.append(f"{bw}: expected a table")
+            continue
+        _unknown(b, _BACKEND_FIELDS, f"{bw}.", problems)
+        url = b.get("url")
+        parsed = urlparse(url) if isinstance(url, str) else None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+            problems.append(f"{bw}.url: expected an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}")
+        if "model" in b and not isinstance(b["model"], str):
+            problems.append(f"{bw}.model: expected the upstream model name")
+        var = b.get("api_key_env")
+        if var is not None and (not isinstance(var, str) or var not in env):
+            problems.append(f"{bw}.api_key_env: environment variable {var!r} is not set")
+
+
+def _unknown(table: dict[str, Any], allowed: set[str], prefix: str, problems: list[str]) -> None:
+    for name in table:
+        if name not in allowed:
+            hint = difflib.get_close_matches(name, sorted(allowed), n=1)
+            problems.append(f"{prefix}{name}: unknown field" + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+
+
+def _table(raw: dict[str, Any], name: str, problems: list[str]) -> dict[str, Any]:
+    value = raw.get(name, {})
+    if not isinstance(value, dict):
+        problems.append(f"{name}: expected a table ([{name}])")
+        return {}
+    return value
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _price_ok(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return False
+    try:
+        d = Decimal(str(value))
+    except InvalidOperation:
+        return False
+    return d.is_finite() and d >= 0
+
+
+def _kind(kind: type | tuple[type, ...]) -> str:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return " or ".join({"str": "a string", "int": "an integer", "float": "a number"}[k.__name__] for k in kinds)

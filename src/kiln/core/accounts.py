@@ -1,0 +1,196 @@
+"""Organisations, projects and keys, cached in memory in front of the store.
+
+The hot path authenticates with one dictionary lookup; every change made
+through this object reaches the cache at once, so suspending or revoking a
+key takes effect on the next request.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from datetime import datetime, timezone
+
+from kiln.core import errors
+from kiln.core.keys import ADMIN_PREFIX, display_prefix, hash_key, new_key, same_hash
+from kiln.core.records import KEY_STATUSES, ApiKey, Org, Project, UsageEvent
+from kiln.store.base import Store
+
+ADMIN_HASH_META = "admin_key_hash"
+
+
+def month_of(ts: float) -> str:
+    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m")
+
+
+def month_start(ts: float) -> float:
+    d = datetime.fromtimestamp(ts, timezone.utc)
+    return datetime(d.year, d.month, 1, tzinfo=timezone.utc).timestamp()
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+class Accounts:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.orgs: dict[str, Org] = {}
+        self.projects: dict[str, Project] = {}
+        self.keys: dict[str, ApiKey] = {}  # by id
+        self._by_hash: dict[str, ApiKey] = {}
+        self._admin_hashes: list[str] = []
+
+    async def load(self) -> None:
+        now = time.time()
+        snap = await self.store.load(month_start(now))
+        month = month_of(now)
+        self.orgs = {o.id: o for o in snap.orgs}
+        for org in self.orgs.values():
+            org.month = month
+        self.projects = {p.id: p for p in snap.projects}
+        self.keys = {k.id: k for k in snap.keys}
+        self._by_hash = {k.key_hash: k for k in snap.keys}
+        stored = await self.store.get_meta(ADMIN_HASH_META)
+        self._admin_hashes = [stored] if stored else []
+
+    # -- the hot path -------------------------------------------------------
+
+    def authenticate(self, token: str) -> ApiKey:
+        """The key for a presented token, or 401/403 per the contract."""
+        key = self._by_hash.get(hash_key(token))
+        if key is None:
+            raise errors.unauthorized("Invalid API key.")
+        if key.expires_at is not None and key.expires_at <= time.time():
+            raise errors.unauthorized("This API key has expired.")
+        if key.status != "active":
+            raise errors.forbidden(f"This API key is {key.status}.", code=f"key_{key.status}")
+        return key
+
+    def apply_usage(self, events: list[UsageEvent]) -> None:
+        """Mirror committed usage in the cached balances (the store already has it)."""
+        for e in events:
+            if not e.cost_nano:
+                continue
+            org = self.orgs.get(e.org_id)
+            if org is not None:
+                org.credits_nano -= e.cost_nano
+                month = month_of(e.created_at)
+                if org.month != month:
+                    org.month, org.month_spend_nano = month, 0
+                org.month_spend_nano += e.cost_nano
+            key = self.keys.get(e.key_id)
+            if key is not None:
+                key.spend_nano += e.cost_nano
+
+    # -- admin credential ---------------------------------------------------
+
+    def add_admin_hash(self, key_hash: str) -> None:
+        self._admin_hashes.append(key_hash)
+
+    def is_admin(self, token: str) -> bool:
+        h = hash_key(token)
+        return any(same_hash(h, stored) for stored in self._admin_hashes)
+
+    async def create_admin_key(self) -> str | None:
+        """Create and store the admin credential on first start; None if one exists."""
+        if await self.store.get_meta(ADMIN_HASH_META):
+            return None
+        secret = new_key(ADMIN_PREFIX)
+        await self.store.set_meta(ADMIN_HASH_META, hash_key(secret))
+        self._admin_hashes.append(hash_key(secret))
+        return secret
+
+    # -- organisations and projects ----------------------------------------
+
+    async def create_org(self, name: str, **limits: int | None) -> Org:
+        if any(o.name == name for o in self.orgs.values()):
+            raise errors.GatewayError(409, f"An organisation named {name!r} exists.", code="conflict")
+        org = Org(id=_id("org"), name=name, created_at=time.time(), month=month_of(time.time()), **limits)
+        await self.store.insert_org(org)
+        self.orgs[org.id] = org
+        return org
+
+    def org(self, org_id: str) -> Org:
+        org = self.orgs.get(org_id)
+        if org is None:
+            raise errors.not_found(f"No organisation {org_id!r}.")
+        return org
+
+    async def update_org(self, org_id: str, **fields: int | None) -> Org:
+        org = self.org(org_id)
+        await self.store.update_org(org_id, fields)
+        for name, value in fields.items():
+            setattr(org, name, value)
+        return org
+
+    async def add_credits(self, org_id: str, amount_nano: int, note: str = "") -> Org:
+        org = self.org(org_id)
+        org.credits_nano = await self.store.add_credits(org_id, amount_nano, note)
+        return org
+
+    async def create_project(self, org_id: str, name: str) -> Project:
+        self.org(org_id)
+        if any(p.org_id == org_id and p.name == name for p in self.projects.values()):
+            raise errors.GatewayError(409, f"A project named {name!r} exists in {org_id}.", code="conflict")
+        project = Project(id=_id("proj"), org_id=org_id, name=name, created_at=time.time())
+        await self.store.insert_project(project)
+        self.projects[project.id] = project
+        return project
+
+    def project(self, project_id: str) -> Project:
+        project = self.projects.get(project_id)
+        if project is None:
+            raise errors.not_found(f"No project {project_id!r}.")
+        return project
+
+    # -- keys -----------------------------------------------------------------
+
+    async def create_key(
+        self,
+        project_id: str,
+        name: str = "",
+        spend_limit_nano: int | None = None,
+        expires_at: float | None = None,
+    ) -> tuple[ApiKey, str]:
+        """A new key and its secret; the secret is not kept anywhere."""
+        project = self.project(project_id)
+        secret = new_key()
+        key = ApiKey(
+            id=_id("key"),
+            project_id=project.id,
+            org_id=project.org_id,
+            key_hash=hash_key(secret),
+            prefix=display_prefix(secret),
+            name=name,
+            spend_limit_nano=spend_limit_nano,
+            expires_at=expires_at,
+            created_at=time.time(),
+        )
+        await self.store.insert_key(key)
+        self.keys[key.id] = key
+        self._by_hash[key.key_hash] = key
+        return key, secret
+
+    def key(self, key_id: str) -> ApiKey:
+        key = self.keys.get(key_id)
+        if key is None:
+            raise errors.not_found(f"No key {key_id!r}.")
+        return key
+
+    async def set_key_status(self, key_id: str, status: str) -> ApiKey:
+        key = self.key(key_id)
+        if status not in KEY_STATUSES:
+            raise errors.invalid(f"status must be one of {', '.join(KEY_STATUSES)}", param="status")
+        if key.status == "revoked" and status != "revoked":
+            raise errors.GatewayError(409, "A revoked key cannot be reactivated; create a new one.", code="conflict")
+        await self.store.update_key(key_id, {"status": status})
+        key.status = status
+        return key
+
+    async def update_key(self, key_id: str, **fields: object) -> ApiKey:
+        key = self.key(key_id)
+        await self.store.update_key(key_id, fields)
+        for name, value in fields.items():
+            setattr(key, name, value)
+        return key

@@ -1,0 +1,66 @@
+"""Exact money.
+
+Every amount Kiln stores or compares is an integer number of nanodollars
+(1e-9 USD). Prices come from configuration as decimal USD per million tokens
+and are converted once, with no float anywhere, so the sum of usage events is
+exactly the credits consumed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from decimal import ROUND_HALF_UP, Decimal, InvalidOperation
+
+NANO_PER_USD = 1_000_000_000
+_NANO = Decimal(NANO_PER_USD)
+
+
+def usd_to_nano(value: object) -> int:
+    """Parse a USD amount (str, int or Decimal; floats via their repr) into nanodollars.
+
+    Raises ValueError for anything that is not a finite number or that has
+    more precision than one nanodollar.
+    """
+    try:
+        amount = Decimal(str(value))
+    except (InvalidOperation, ValueError) as exc:
+        raise ValueError(f"not a number: {value!r}") from exc
+    if not amount.is_finite():
+        raise ValueError(f"not a finite amount: {value!r}")
+    nano = amount * _NANO
+    if nano != nano.to_integral_value():
+        raise ValueError(f"{value!r} is finer than one nanodollar (1e-9 USD)")
+    return int(nano)
+
+
+def nano_to_usd_str(nano: int) -> str:
+    """Render nanodollars as an exact decimal USD string: 1155 -> '0.000001155'."""
+    sign = "-" if nano < 0 else ""
+    whole, frac = divmod(abs(nano), NANO_PER_USD)
+    if not frac:
+        return f"{sign}{whole}"
+    return f"{sign}{whole}.{frac:09d}".rstrip("0")
+
+
+@dataclass(frozen=True, slots=True)
+class Prices:
+    """USD per one million tokens, kept as exact Decimals."""
+
+    input: Decimal
+    cached_input: Decimal
+    output: Decimal
+
+    def cost_nano(self, prompt_tokens: int, cached_tokens: int, completion_tokens: int) -> int:
+        """Cost of one request in nanodollars, rounded half-up once per request.
+
+        prompt_tokens includes cached_tokens (OpenAI semantics); cached tokens
+        are billed at the cached-input price, the rest at the input price.
+        """
+        cached = min(max(cached_tokens, 0), prompt_tokens)
+        usd_per_m = (
+            (prompt_tokens - cached) * self.input
+            + cached * self.cached_input
+            + completion_tokens * self.output
+        )
+        # USD per 1M tokens -> nanodollars: * 1e9 / 1e6 = * 1e3
+        return int((usd_per_m * 1000).to_integral_value(rounding=ROUND_HALF_UP))

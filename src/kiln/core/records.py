@@ -1,0 +1,140 @@
+"""The domain's records: organisations, projects, keys and usage events.
+
+Plain dataclasses shared by the store, the in-memory caches and the admin
+API. Amounts are integer nanodollars (see money.py); times are Unix seconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kiln.core.money import nano_to_usd_str
+
+KEY_STATUSES = ("active", "suspended", "revoked")
+
+
+@dataclass(slots=True)
+class Org:
+    id: str
+    name: str
+    credits_nano: int = 0
+    monthly_budget_nano: int | None = None
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
+    concurrency_limit: int | None = None
+    created_at: float = 0.0
+    # Derived, kept in memory: spend in the current calendar month (UTC).
+    month_spend_nano: int = 0
+    month: str = ""
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "name": self.name,
+            "credits": nano_to_usd_str(self.credits_nano),
+            "monthly_budget": _usd_or_none(self.monthly_budget_nano),
+            "month_spend": nano_to_usd_str(self.month_spend_nano),
+            "rpm_limit": self.rpm_limit,
+            "tpm_limit": self.tpm_limit,
+            "concurrency_limit": self.concurrency_limit,
+            "created_at": int(self.created_at),
+        }
+
+
+@dataclass(slots=True)
+class Project:
+    id: str
+    org_id: str
+    name: str
+    created_at: float = 0.0
+
+    def public(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["created_at"] = int(self.created_at)
+        return d
+
+
+@dataclass(slots=True)
+class ApiKey:
+    id: str
+    project_id: str
+    org_id: str
+    key_hash: str
+    prefix: str
+    name: str = ""
+    status: str = "active"
+    spend_limit_nano: int | None = None
+    expires_at: float | None = None
+    spend_nano: int = 0
+    created_at: float = 0.0
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "project_id": self.project_id,
+            "org_id": self.org_id,
+            "name": self.name,
+            "prefix": self.prefix,
+            "status": self.status,
+            "spend_limit": _usd_or_none(self.spend_limit_nano),
+            "expires_at": int(self.expires_at) if self.expires_at is not None else None,
+            "spend": nano_to_usd_str(self.spend_nano),
+            "created_at": int(self.created_at),
+        }
+
+
+@dataclass(slots=True)
+class UsageEvent:
+    """One metered request; its id is the X-Neocloud-Generation-Id."""
+
+    id: str
+    created_at: float
+    org_id: str
+    project_id: str
+    key_id: str
+    model: str
+    endpoint: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    cost_nano: int = 0
+    status: str = "ok"
+    cancelled: bool = False
+    ttft_ms: float | None = None
+    duration_ms: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def public(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("extra")
+        d["cost"] = nano_to_usd_str(d.pop("cost_nano"))
+        return d
+
+
+def _usd_or_none(nano: int | None) -> str | None:
+    return None if nano is None else nano_to_usd_str(nano)
+
+
+@dataclass(slots=True)
+class Usage:
+    """Token counts of one request, in OpenAI's sense: prompt includes cached."""
+
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    exact: bool = False  # False: estimated (the backend never reported usage)
+
+    @classmethod
+    def from_openai(cls, u: dict[str, Any]) -> "Usage":
+        details = u.get("prompt_tokens_details") or {}
+        out_details = u.get("completion_tokens_details") or {}
+        return cls(
+            prompt_tokens=int(u.get("prompt_tokens") or 0),
+            cached_tokens=int(details.get("cached_tokens") or 0),
+            completion_tokens=int(u.get("completion_tokens") or 0),
+            reasoning_tokens=int(out_details.get("reasoning_tokens") or u.get("reasoning_tokens") or 0),
+            exact=True,
+        )

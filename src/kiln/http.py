@@ -1,0 +1,101 @@
+"""HTTP plumbing the pipeline needs and Starlette does not give: a bounded
+body reader, and a streaming response that sends keepalives on a timer and
+cancels its producer when the client goes away.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from kiln.core import errors
+
+Write = Callable[[bytes], Awaitable[None]]
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, or 413 before reading past `limit` bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise errors.too_large(f"Request body is larger than {limit} bytes.")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise errors.too_large(f"Request body is larger than {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects (the body has been read already)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class StreamResponse:
+    """An SSE response driven by a producer coroutine that writes frames.
+
+    A timer task writes `keepalive` whenever nothing was sent for
+    `keepalive_s`, so one task per stream keeps idle connections open with no
+    per-chunk cost. If the client disconnects, the producer is cancelled; its
+    own cleanup cancels the upstream request and meters what was generated.
+    """
+
+    def __init__(
+        self,
+        produce: Callable[[Write], Awaitable[None]],
+        headers: dict[str, str],
+        keepalive: bytes,
+        keepalive_s: float,
+    ) -> None:
+        self.produce = produce
+        self.headers = headers
+        self.keepalive = keepalive
+        self.keepalive_s = keepalive_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                       (b"x-accel-buffering", b"no")]
+        raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+        await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+        last = time.monotonic()
+
+        async def write(data: bytes) -> None:
+            nonlocal last
+            last = time.monotonic()
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+
+        async def keep_alive() -> None:
+            while True:
+                await asyncio.sleep(max(self.keepalive_s - (time.monotonic() - last), 0.01))
+                if time.monotonic() - last >= self.keepalive_s:
+                    await write(self.keepalive)
+
+        producer = asyncio.ensure_future(self.produce(write))
+        watcher = asyncio.ensure_future(wait_disconnect(receive))
+        keeper = asyncio.ensure_future(keep_alive())
+        try:
+            await asyncio.wait((producer, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            keeper.cancel()
+            if not producer.done():
+                producer.cancel()
+                await asyncio.gather(producer, return_exceptions=True)
+            disconnected = watcher.done()
+            watcher.cancel()
+        if producer.done() and not producer.cancelled():
+            exc = producer.exception()
+            if isinstance(exc, OSError):  # the client went away while we wrote (ASGI spec 2.4 servers)
+                return
+            if exc is not None:
+                raise exc
+        if not disconnected:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,226 @@
+"""The two generation endpoints and the app factory.
+
+Order of work per request mirrors vLLM closely enough for a gateway to observe the
+same behaviour: body -> auth -> sim faults -> schema checks -> model -> prompt and
+context window -> generation -> one JSON body or an SSE stream.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from . import checks, generate, tokenizer, wire
+from .checks import Invalid
+from .server import SimServer, _Ctx, new_id
+from .settings import SimSettings
+
+SIM_KEY: web.AppKey[SimServer] = web.AppKey("kiln_sim", SimServer)
+
+
+def _sim_of(body: dict[str, Any]) -> dict[str, Any]:
+    sim = body.get("sim")
+    return sim if isinstance(sim, dict) else {}
+
+
+def _requested_calls(
+    body: dict[str, Any], sim: dict[str, Any], messages: list[Any], fails: bool
+) -> tuple[list[generate.ToolCall], bool]:
+    """Which tool calls the model makes, and whether tool_choice named a function."""
+    choice = body.get("tool_choice")
+    named = isinstance(choice, dict)
+    calls: list[generate.ToolCall] = []
+    forced = sim.get("tool_calls")
+    tools = body.get("tools") or []
+    if isinstance(forced, list) and forced:
+        for c in forced:
+            if isinstance(c, dict) and isinstance(c.get("name"), str):
+                calls.append(generate.make_tool_call(c["name"], c.get("arguments", {})))
+    elif tools and choice != "none":
+        last = messages[-1].get("role")
+        if named or choice == "required" or last == "user":
+            fn = tools[0]["function"]
+            if named:
+                wanted = choice["function"]["name"]
+                fn = next(t["function"] for t in tools if t["function"]["name"] == wanted)
+            args: Any = "" if (named and fails) else generate.arguments_for(fn.get("parameters"))
+            calls.append(generate.make_tool_call(fn["name"], args))
+    if body.get("parallel_tool_calls") is False:
+        calls = calls[:1]
+    return calls, named
+
+
+async def chat_completions(srv: SimServer, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    body = await srv.read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    sim = _sim_of(body)
+    if sim:
+        early = await srv.pre_faults(request, sim, ctx)
+        if early is not None:
+            return srv.extra_headers(early, sim)
+    bad = checks.check_chat(body)
+    if bad is not None:
+        return srv.invalid(bad)
+    model = srv.check_model(body)
+    if isinstance(model, web.Response):
+        return model
+    s = srv.settings
+    messages = body["messages"]
+    try:
+        prompt = tokenizer.render_chat(messages, body.get("tools"), body.get("add_generation_prompt", True) is not False)
+    except ValueError as exc:
+        return srv.invalid(Invalid(str(exc)))
+    ids = tokenizer.encode(prompt)
+    requested = body.get("max_completion_tokens")
+    if requested is None:
+        requested = body.get("max_tokens")
+    max_tokens = checks.fit_max_tokens(len(ids), requested, None, s.max_model_len, s.legacy_length_check)
+    if isinstance(max_tokens, Invalid):
+        return srv.invalid(max_tokens)
+    if s.forced_tool_choice_fails and body.get("tool_choice") == "required" and body.get("tools"):
+        return wire.plain_500()
+    cached = srv.cached_tokens(ids)
+    calls, named = _requested_calls(body, sim, messages, s.forced_tool_choice_fails)
+    kwargs = body.get("chat_template_kwargs")
+    thinking = not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False)
+    is_reasoner = model in s.reasoning_models
+    plan = generate.plan_chat(
+        seed=s.seed,
+        prompt=prompt,
+        reply_tokens=s.reply_tokens,
+        max_tokens=max_tokens,
+        sim=sim,
+        reasoning_enabled=is_reasoner and thinking,
+        calls=calls,
+        named_choice=named,
+        stops=[] if s.ignore_stop else generate.normalize_stop(body.get("stop")),
+        include_stop=body.get("include_stop_str_in_output") is True,
+    )
+    usage = wire.usage_obj(
+        len(ids),
+        plan.completion_tokens,
+        None if s.no_prompt_tokens_details else cached,
+        plan.reasoning_tokens if (is_reasoner or plan.reasoning) else None,
+    )
+    rid = new_id("chatcmpl-")
+    created = int(time.time())
+    if body.get("stream") is True:
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and options.get("include_usage") is True
+        events, n_tok = wire.chat_events(rid, created, model, plan, s.reasoning_field, usage if include_usage else None)
+        return await srv.stream(request, sim, ctx, events, 2, n_tok + 1)
+    data = wire.chat_body(rid, created, model, plan, s.reasoning_field, usage)
+    return await srv.finish_plain(request, sim, ctx, data, plan.completion_tokens)
+
+
+async def completions(srv: SimServer, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
+    """POST /v1/completions: one choice per prompt (string, strings, ids, id lists)."""
+    body = await srv.read_body(request)
+    if isinstance(body, web.Response):
+        return body
+    sim = _sim_of(body)
+    if sim:
+        early = await srv.pre_faults(request, sim, ctx)
+        if early is not None:
+            return srv.extra_headers(early, sim)
+    bad = checks.check_completion(body)
+    if bad is not None:
+        return srv.invalid(bad)
+    prompts = checks.prompts_of(body["prompt"])
+    if prompts is None:
+        return srv.invalid(checks.schema_error("union_tag_invalid", "prompt", "Input should be a string, a list of strings, or token ids", body["prompt"]))
+    model = srv.check_model(body)
+    if isinstance(model, web.Response):
+        return model
+    s = srv.settings
+    echo = body.get("echo") is True
+    top = body.get("logprobs")
+    stops = [] if s.ignore_stop else generate.normalize_stop(body.get("stop"))
+    include_stop = body.get("include_stop_str_in_output") is True
+    rid, created = new_id("cmpl-"), int(time.time())
+    streaming = body.get("stream") is True
+    prefix = wire.completion_prefix(rid, created, model)
+    choices: list[dict[str, Any]] = []
+    events: list[bytes] = []
+    n_prompt = n_completion = n_cached = 0
+    for index, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            text, ids = prompt, tokenizer.encode(prompt)
+        else:
+            text, ids = tokenizer.decode(prompt), prompt
+        max_tokens = checks.fit_max_tokens(len(ids), body.get("max_tokens"), 16, s.max_model_len, s.legacy_length_check)
+        if isinstance(max_tokens, Invalid):
+            return srv.invalid(max_tokens)
+        n_cached += srv.cached_tokens(ids)
+        plan = generate.plan_completion(
+            seed=s.seed,
+            prompt=text or ",".join(map(str, ids)),
+            reply_tokens=s.reply_tokens,
+            max_tokens=max_tokens,
+            sim=sim,
+            stops=stops,
+            include_stop=include_stop,
+        )
+        n_prompt += len(ids)
+        n_completion += plan.completion_tokens
+        head = text if echo else ""
+        if not streaming:
+            lp = generate.completion_logprobs(plan.content, top, len(head)) if top is not None else None
+            choices.append(wire.completion_choice(index, head + "".join(plan.content), lp, plan))
+            continue
+        if head:
+            events.append(wire.completion_event(prefix, _chunk(index, head, None)))
+        offset = len(head)
+        for piece in plan.content:
+            lp = generate.completion_logprobs([piece], top, offset) if top is not None else None
+            offset += len(piece)
+            events.append(wire.completion_event(prefix, _chunk(index, piece, lp)))
+        final = _chunk(index, "", None)
+        final["finish_reason"], final["stop_reason"] = plan.finish_reason, plan.stop_reason
+        events.append(wire.completion_event(prefix, final))
+    usage = wire.usage_obj(n_prompt, n_completion, None if s.no_prompt_tokens_details else n_cached)
+    n_gen = len(events)
+    if not streaming:
+        data = wire.completion_body(rid, created, model, choices, usage)
+        return await srv.finish_plain(request, sim, ctx, data, n_completion)
+    options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("include_usage") is True:
+        events.append(wire.completion_usage_event(prefix, usage))
+    events.append(wire.DONE)
+    return await srv.stream(request, sim, ctx, events, 1, n_gen - 1)
+
+
+def _chunk(index: int, text: str, logprobs: Any) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": None, "stop_reason": None}
+
+
+def create_app(settings: SimSettings) -> web.Application:
+    """Build the aiohttp app. Run it with handler_cancellation=True (see serve())."""
+    srv = SimServer(settings)
+    app = web.Application(client_max_size=64 * 1024 * 1024)
+    app[SIM_KEY] = srv
+
+    def bind(fn: Any) -> Any:
+        async def handler(request: web.Request, ctx: _Ctx) -> web.StreamResponse:
+            return await fn(srv, request, ctx)
+
+        return srv.track(handler)
+
+    r = app.router
+    r.add_post("/v1/chat/completions", bind(chat_completions))
+    r.add_post("/v1/completions", bind(completions))
+    r.add_get("/v1/models", srv.models)
+    r.add_get("/health", srv.health)
+    r.add_post("/tokenize", srv.tokenize)
+    r.add_post("/detokenize", srv.detokenize)
+    r.add_get("/sim/stats", srv.get_stats)
+    r.add_post("/sim/stats/reset", srv.reset_stats)
+    r.add_get("/sim/requests", srv.get_requests)
+    r.add_delete("/sim/requests", srv.clear_requests)
+    r.add_get("/sim/config", srv.get_config)
+    r.add_post("/sim/config", srv.set_config)
+    return app

@@ -1,0 +1,303 @@
+"""SQLite storage: the embedded default.
+
+One connection, owned by one worker thread, so the event loop never blocks
+on disk. WAL journal; `synchronous` is NORMAL by default (a commit survives
+a crash of the process) and FULL on request (it also survives power loss).
+The ledger writer batches events, so either way there is one commit per
+batch, not per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from kiln.core.records import ApiKey, Org, Project, UsageEvent
+from kiln.store.base import Snapshot
+
+T = TypeVar("T")
+
+MIGRATIONS: list[str] = [
+    """
+    CREATE TABLE orgs (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL UNIQUE,
+        credits_nano INTEGER NOT NULL DEFAULT 0,
+        monthly_budget_nano INTEGER,
+        rpm_limit INTEGER,
+        tpm_limit INTEGER,
+        concurrency_limit INTEGER,
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE projects (
+        id TEXT PRIMARY KEY,
+        org_id TEXT NOT NULL REFERENCES orgs(id),
+        name TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        UNIQUE (org_id, name)
+    );
+    CREATE TABLE api_keys (
+        id TEXT PRIMARY KEY,
+        project_id TEXT NOT NULL REFERENCES projects(id),
+        org_id TEXT NOT NULL REFERENCES orgs(id),
+        key_hash TEXT NOT NULL UNIQUE,
+        prefix TEXT NOT NULL,
+        name TEXT NOT NULL DEFAULT '',
+        status TEXT NOT NULL DEFAULT 'active',
+        spend_limit_nano INTEGER,
+        expires_at REAL,
+        spend_nano INTEGER NOT NULL DEFAULT 0,
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE credit_grants (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        org_id TEXT NOT NULL REFERENCES orgs(id),
+        amount_nano INTEGER NOT NULL,
+        note TEXT NOT NULL DEFAULT '',
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE usage_events (
+        id TEXT PRIMARY KEY,
+        created_at REAL NOT NULL,
+        org_id TEXT NOT NULL,
+        project_id TEXT NOT NULL,
+        key_id TEXT NOT NULL,
+        model TEXT NOT NULL,
+        endpoint TEXT NOT NULL,
+        prompt_tokens INTEGER NOT NULL,
+        cached_tokens INTEGER NOT NULL,
+        completion_tokens INTEGER NOT NULL,
+        reasoning_tokens INTEGER NOT NULL,
+        cost_nano INTEGER NOT NULL,
+        status TEXT NOT NULL,
+        cancelled INTEGER NOT NULL,
+        ttft_ms REAL,
+        duration_ms REAL NOT NULL
+    );
+    CREATE INDEX usage_events_org_time ON usage_events (org_id, created_at);
+    CREATE INDEX usage_events_key_time ON usage_events (key_id, created_at);
+    CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
+    """,
+]
+
+_ORG_COLS = "id, name, credits_nano, monthly_budget_nano, rpm_limit, tpm_limit, concurrency_limit, created_at"
+_KEY_COLS = (
+    "id, project_id, org_id, key_hash, prefix, name, status, spend_limit_nano, expires_at, spend_nano, created_at"
+)
+_USAGE_COLS = (
+    "id, created_at, org_id, project_id, key_id, model, endpoint, prompt_tokens, cached_tokens,"
+    " completion_tokens, reasoning_tokens, cost_nano, status, cancelled, ttft_ms, duration_ms"
+)
+_ORG_FIELDS = {"name", "credits_nano", "monthly_budget_nano", "rpm_limit", "tpm_limit", "concurrency_limit"}
+_KEY_FIELDS = {"name", "status", "spend_limit_nano", "expires_at"}
+
+
+class SQLiteStore:
+    def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
+        self.path = str(path)
+        self.synchronous = synchronous.upper()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-sqlite")
+        self._db: sqlite3.Connection | None = None
+
+    async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self._call, fn)
+
+    def _call(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        assert self._db is not None, "store is not open"
+        return fn(self._db)
+
+    async def open(self) -> None:
+        def connect() -> sqlite3.Connection:
+            if self.path != ":memory:":
+                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(f"PRAGMA synchronous={self.synchronous}")
+            db.execute("PRAGMA foreign_keys=ON")
+            db.execute("PRAGMA busy_timeout=5000")
+            _migrate(db)
+            return db
+
+        loop = asyncio.get_running_loop()
+        self._db = await loop.run_in_executor(self._pool, connect)
+
+    async def close(self) -> None:
+        if self._db is not None:
+            await self._run(lambda db: db.close())
+            self._db = None
+        self._pool.shutdown(wait=True)
+
+    async def load(self, month_start: float) -> Snapshot:
+        def load(db: sqlite3.Connection) -> Snapshot:
+            spend = dict(
+                db.execute(
+                    "SELECT org_id, SUM(cost_nano) FROM usage_events WHERE created_at >= ? GROUP BY org_id",
+                    (month_start,),
+                ).fetchall()
+            )
+            orgs = []
+            for row in db.execute(f"SELECT {_ORG_COLS} FROM orgs"):
+                org = Org(*row)
+                org.month_spend_nano = spend.get(org.id) or 0
+                orgs.append(org)
+            projects = [Project(*r) for r in db.execute("SELECT id, org_id, name, created_at FROM projects")]
+            keys = [ApiKey(*r) for r in db.execute(f"SELECT {_KEY_COLS} FROM api_keys")]
+            return Snapshot(orgs, projects, keys)
+
+        return await self._run(load)
+
+    async def insert_org(self, org: Org) -> None:
+        await self._write(
+            f"INSERT INTO orgs ({_ORG_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+            (org.id, org.name, org.credits_nano, org.monthly_budget_nano, org.rpm_limit,
+             org.tpm_limit, org.concurrency_limit, org.created_at),
+        )
+
+    async def update_org(self, org_id: str, fields: dict[str, Any]) -> None:
+        await self._update("orgs", _ORG_FIELDS, org_id, fields)
+
+    async def add_credits(self, org_id: str, amount_nano: int, note: str) -> int:
+        def add(db: sqlite3.Connection) -> int:
+            with _tx(db):
+                db.execute(
+                    "INSERT INTO credit_grants (org_id, amount_nano, note, created_at) VALUES (?,?,?,?)",
+                    (org_id, amount_nano, note, time.time()),
+                )
+                db.execute("UPDATE orgs SET credits_nano = credits_nano + ? WHERE id = ?", (amount_nano, org_id))
+                return db.execute("SELECT credits_nano FROM orgs WHERE id = ?", (org_id,)).fetchone()[0]
+
+        return await self._run(add)
+
+    async def insert_project(self, project: Project) -> None:
+        await self._write(
+            "INSERT INTO projects (id, org_id, name, created_at) VALUES (?,?,?,?)",
+            (project.id, project.org_id, project.name, project.created_at),
+        )
+
+    async def insert_key(self, key: ApiKey) -> None:
+        await self._write(
+            f"INSERT INTO api_keys ({_KEY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (key.id, key.project_id, key.org_id, key.key_hash, key.prefix, key.name, key.status,
+             key.spend_limit_nano, key.expires_at, key.spend_nano, key.created_at),
+        )
+
+    async def update_key(self, key_id: str, fields: dict[str, Any]) -> None:
+        await self._update("api_keys", _KEY_FIELDS, key_id, fields)
+
+    async def record_usage(self, events: list[UsageEvent]) -> None:
+        rows = [
+            (e.id, e.created_at, e.org_id, e.project_id, e.key_id, e.model, e.endpoint, e.prompt_tokens,
+             e.cached_tokens, e.completion_tokens, e.reasoning_tokens, e.cost_nano, e.status,
+             int(e.cancelled), e.ttft_ms, e.duration_ms)
+            for e in events
+        ]
+        org_cost: dict[str, int] = {}
+        key_cost: dict[str, int] = {}
+        for e in events:
+            if e.cost_nano:
+                org_cost[e.org_id] = org_cost.get(e.org_id, 0) + e.cost_nano
+                key_cost[e.key_id] = key_cost.get(e.key_id, 0) + e.cost_nano
+
+        def record(db: sqlite3.Connection) -> None:
+            with _tx(db):
+                db.executemany(f"INSERT INTO usage_events ({_USAGE_COLS}) VALUES ({','.join('?' * 16)})", rows)
+                db.executemany(
+                    "UPDATE orgs SET credits_nano = credits_nano - ? WHERE id = ?",
+                    [(c, o) for o, c in org_cost.items()],
+                )
+                db.executemany(
+                    "UPDATE api_keys SET spend_nano = spend_nano + ? WHERE id = ?",
+                    [(c, k) for k, c in key_cost.items()],
+                )
+
+        await self._run(record)
+
+    async def list_usage(
+        self, org_id: str | None = None, key_id: str | None = None, limit: int = 100
+    ) -> list[UsageEvent]:
+        where, args = [], []
+        if org_id:
+            where.append("org_id = ?")
+            args.append(org_id)
+        if key_id:
+            where.append("key_id = ?")
+            args.append(key_id)
+        sql = f"SELECT {_USAGE_COLS} FROM usage_events"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
+        args.append(limit)
+
+        def query(db: sqlite3.Connection) -> list[UsageEvent]:
+            out = []
+            for r in db.execute(sql, args):
+                e = UsageEvent(*r[:13], cancelled=bool(r[13]), ttft_ms=r[14], duration_ms=r[15])
+                out.append(e)
+            return out
+
+        return await self._run(query)
+
+    async def usage_totals(self, org_id: str) -> dict[str, int]:
+        def query(db: sqlite3.Connection) -> dict[str, int]:
+            n, cost = db.execute(
+                "SELECT COUNT(*), COALESCE(SUM(cost_nano), 0) FROM usage_events WHERE org_id = ?", (org_id,)
+            ).fetchone()
+            granted = db.execute(
+                "SELECT COALESCE(SUM(amount_nano), 0) FROM credit_grants WHERE org_id = ?", (org_id,)
+            ).fetchone()[0]
+            return {"events": n, "cost_nano": cost, "granted_nano": granted}
+
+        return await self._run(query)
+
+    async def get_meta(self, name: str) -> str | None:
+        def get(db: sqlite3.Connection) -> str | None:
+            row = db.execute("SELECT value FROM meta WHERE name = ?", (name,)).fetchone()
+            return row[0] if row else None
+
+        return await self._run(get)
+
+    async def set_meta(self, name: str, value: str) -> None:
+        await self._write(
+            "INSERT INTO meta (name, value) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET value = excluded.value",
+            (name, value),
+        )
+
+    async def _write(self, sql: str, args: tuple[Any, ...]) -> None:
+        def write(db: sqlite3.Connection) -> None:
+            with _tx(db):
+                db.execute(sql, args)
+
+        await self._run(write)
+
+    async def _update(self, table: str, allowed: set[str], row_id: str, fields: dict[str, Any]) -> None:
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"cannot update {sorted(unknown)} on {table}")
+        if not fields:
+            return
+        cols = ", ".join(f"{name} = ?" for name in fields)
+        await self._write(f"UPDATE {table} SET {cols} WHERE id = ?", (*fields.values(), row_id))
+
+
+class _tx:
+    """BEGIN IMMEDIATE ... COMMIT, rolled back on any exception."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> None:
+        self.db.execute("BEGIN IMMEDIATE")
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def _migrate(db: sqlite3.Connection) -> None:
+    version = db.execute("PRAGMA user_version").fetchone()[0]
+    for number, sql in enumerate(MIGRATIONS[version:], start=version + 1):
+        db.executescript(f"BEGIN; {sql}; PRAGMA user_version = {number}; COMMIT;")

@@ -1,0 +1,223 @@
+"""Test fixtures: the real gateway and the real simulator, as servers on 127.0.0.1.
+
+Nothing of Kiln is mocked. One simulator and one gateway serve the whole
+session; each test makes its own organisation and key through the admin
+API, so tests do not share balances. Tests that need another configuration
+start their own gateway with `start_gateway`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+ADMIN_KEY = "sk-kiln-admin-test-" + "x" * 32
+QWEN_UPSTREAM = "Qwen/Qwen3-32B"  # the backend's name differs from the public id on purpose
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Sim:
+    url: str
+    proc: subprocess.Popen[str]
+    http: httpx.Client = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.http = httpx.Client(base_url=self.url, timeout=10)
+
+    def stats(self) -> dict[str, Any]:
+        return self.http.get("/sim/stats").json()
+
+    def reset(self) -> None:
+        self.http.post("/sim/stats/reset")
+
+    def configure(self, **settings: Any) -> dict[str, Any]:
+        return self.http.post("/sim/config", json=settings).json()
+
+    def requests(self) -> list[dict[str, Any]]:
+        return self.http.get("/sim/requests").json()
+
+    def last_body(self) -> dict[str, Any]:
+        return self.requests()[-1]["body"]
+
+
+def start_sim(*args: str) -> Sim:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln.sim", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert "listening on" in line, f"simulator did not start: {line!r}"
+    return Sim(line.rsplit(" ", 1)[-1].strip(), proc)
+
+
+def stop(proc: subprocess.Popen[Any]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="session")
+def sim() -> Iterator[Sim]:
+    s = start_sim(
+        "--model", QWEN_UPSTREAM, "--model", "gpt-oss-120b", "--model", "demo-model",
+        "--reasoning-models", f"{QWEN_UPSTREAM},gpt-oss-120b",
+    )
+    yield s
+    stop(s.proc)
+
+
+def catalog_toml(sim_url: str, extra: str = "") -> str:
+    return f"""
+[server]
+keepalive_s = 0.5
+backend_retry_s = 1
+
+[limits]
+rpm = 100000
+concurrency = 64
+
+[[models]]
+id = "qwen3-32b"
+family = "qwen3"
+context_window = 32768
+max_output_tokens = 8192
+aliases = ["claude-sonnet-4-5"]
+prices = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
+capabilities = {{ tool_choice = ["auto", "none"], reasoning = true }}
+[[models.backends]]
+url = "{sim_url}/v1"
+model = "{QWEN_UPSTREAM}"
+
+[[models]]
+id = "gpt-oss-120b"
+family = "gpt-oss"
+context_window = 131072
+max_output_tokens = 32768
+aliases = ["gpt-5"]
+prices = {{ input = "0.05", cached_input = "0.025", output = "0.0625" }}
+capabilities = {{ tool_choice = ["auto", "none", "required", "named"], parallel_tool_calls = true, reasoning = true, response_format = true, image_input = true }}
+[[models.backends]]
+url = "{sim_url}/v1"
+
+[[models]]
+id = "offline-model"
+context_window = 4096
+prices = {{ input = "1", output = "2" }}
+[[models.backends]]
+url = "http://127.0.0.1:{free_port()}/v1"
+{extra}
+"""
+
+
+@dataclass
+class Gateway:
+    url: str
+    proc: subprocess.Popen[str]
+    data_dir: Path
+    log: Path
+    admin: httpx.Client = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.admin = httpx.Client(
+            base_url=self.url + "/admin/v1", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
+        )
+
+    def new_key(self, credits: str = "10", **org_fields: Any) -> "Tenant":
+        """A fresh organisation, project and key: tests never share balances."""
+        name = f"org-{time.monotonic_ns()}"
+        org = self.admin.post("/orgs", json={"name": name, "credits": credits, **org_fields})
+        assert org.status_code == 201, org.text
+        project = self.admin.post("/projects", json={"org_id": org.json()["id"], "name": "p"})
+        assert project.status_code == 201, project.text
+        key = self.admin.post("/keys", json={"project_id": project.json()["id"], "name": "k"})
+        assert key.status_code == 201, key.text
+        return Tenant(self, org.json()["id"], project.json()["id"], key.json()["id"], key.json()["key"])
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+
+@dataclass
+class Tenant:
+    gw: Gateway
+    org_id: str
+    project_id: str
+    key_id: str
+    key: str
+
+    def openai(self, **kw: Any) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gw.url + "/v1", api_key=self.key, max_retries=0, **kw)
+
+    def http(self) -> httpx.Client:
+        return self.gw.http(self.key)
+
+    def usage(self) -> list[dict[str, Any]]:
+        r = self.gw.admin.get("/usage", params={"key_id": self.key_id, "limit": 1000})
+        assert r.status_code == 200, r.text
+        return r.json()["data"]
+
+    def org(self) -> dict[str, Any]:
+        return self.gw.admin.get(f"/orgs/{self.org_id}").json()
+
+
+def start_gateway(config_text: str, env: dict[str, str] | None = None) -> Gateway:
+    data_dir = Path(tempfile.mkdtemp(prefix="kiln-test-"))
+    config = data_dir / "kiln.toml"
+    config.write_text(config_text)
+    port = free_port()
+    log = data_dir / "gateway.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kiln", "serve", "--config", str(config), "--port", str(port),
+         "--data-dir", str(data_dir)],
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "KILN_ADMIN_KEY": ADMIN_KEY, **(env or {})},
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"gateway exited: {log.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return Gateway(url, proc, data_dir, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    stop(proc)
+    raise RuntimeError(f"gateway did not start: {log.read_text()}")
+
+
+@pytest.fixture(scope="session")
+def gateway(sim: Sim) -> Iterator[Gateway]:
+    gw = start_gateway(catalog_toml(sim.url))
+    yield gw
+    stop(gw.proc)
+
+
+@pytest.fixture
+def tenant(gateway: Gateway) -> Tenant:
+    return gateway.new_key()
