@@ -32,7 +32,7 @@ from kiln.pipeline import Gateway
 from kiln.protocols.base import openai_error
 from kiln.protocols.chat import ChatTranslator
 from kiln.router import Router
-from kiln.store.sqlite import SQLiteStore
+from kiln.store import make_store
 from kiln.upstream import Upstream
 
 log = logging.getLogger("kiln")
@@ -129,7 +129,7 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        store = SQLiteStore(settings.database_path, settings.sqlite_synchronous)
+        store = make_store(settings.database_url, settings.sqlite_synchronous)
         await store.open()
         accounts = Accounts(store)
         await accounts.load()

@@ -91,6 +91,7 @@ def start_demo_simulator() -> str:
         [sys.executable, "-m", "kiln.sim", "--port", "0", "--model", config.DEMO_MODEL, "--token-delay-ms", "20"],
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=_die_with_parent,
     )
     atexit.register(proc.terminate)
     assert proc.stdout is not None
@@ -100,6 +101,17 @@ def start_demo_simulator() -> str:
     url = line.rsplit(" ", 1)[-1].strip()
     print(f"kiln: demo mode: model '{config.DEMO_MODEL}' is SIMULATED by `kiln sim` at {url}", flush=True)
     return url + "/v1"
+
+
+def _die_with_parent() -> None:
+    """Linux: the simulator gets SIGTERM when the gateway dies, however it dies."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 async def _bootstrap(gw: Any, settings: Settings) -> None:

@@ -43,7 +43,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
     data_dir: Path = Path("kiln-data")
-    database: str = ""  # "sqlite:///path"; default: <data_dir>/kiln.db
+    database: str = ""  # "sqlite:///path" or "postgresql://host/db?schema=name"; default: <data_dir>/kiln.db
     sqlite_synchronous: str = "NORMAL"
     max_body_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float = 3600.0
@@ -57,10 +57,8 @@ class Settings:
     admin_key: str | None = None  # from KILN_ADMIN_KEY
 
     @property
-    def database_path(self) -> str:
-        if self.database:
-            return self.database.removeprefix("sqlite:///")
-        return str(self.data_dir / "kiln.db")
+    def database_url(self) -> str:
+        return self.database or f"sqlite:///{self.data_dir / 'kiln.db'}"
 
 
 _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -121,6 +119,8 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
                 setattr(settings, name, conv(env[var]))
             except ValueError:
                 problems.append(f"{var}: not a valid {name}: {env[var]!r}")
+    if settings.database and not settings.database.startswith(("sqlite:///", "postgres://", "postgresql://")):
+        problems.append(f"server.database: expected sqlite:///PATH or postgresql://..., got {settings.database!r}")
     settings.admin_key = env.get("KILN_ADMIN_KEY") or None
     models = raw.get("models", [])
     if not isinstance(models, list):

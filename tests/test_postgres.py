@@ -1,0 +1,81 @@
+"""The same gateway on PostgreSQL: ledger, balances and keys survive a restart.
+
+Uses the real server on 127.0.0.1:5432 (database `test`), one schema per run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from decimal import Decimal
+from typing import Iterator
+
+import asyncpg
+import pytest
+
+from conftest import Gateway, Sim, catalog_toml, start_gateway, stop
+
+DSN = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture
+def pg_schema() -> Iterator[str]:
+    schema = f"kiln_test_{secrets.token_hex(4)}"
+    yield schema
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(DSN)
+        try:
+            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        finally:
+            await conn.close()
+
+    asyncio.run(drop())
+
+
+def _pg_gateway(sim: Sim, schema: str) -> Gateway:
+    return start_gateway(catalog_toml(sim.url), env={"KILN_DATABASE": f"{DSN}?schema={schema}"})
+
+
+def test_postgres_ledger_and_restart(sim: Sim, pg_schema: str) -> None:
+    gw = _pg_gateway(sim, pg_schema)
+    try:
+        tenant = gw.new_key(credits="3")
+        client = tenant.openai()
+        costs = []
+        for i in range(5):
+            raw = client.chat.completions.with_raw_response.create(
+                model="qwen3-32b", messages=[{"role": "user", "content": f"question {i}"}], max_tokens=20
+            )
+            costs.append(Decimal(str(raw.parse().usage.model_extra["cost"])))
+        stream = client.chat.completions.create(
+            model="qwen3-32b", messages=[{"role": "user", "content": "stream it"}], max_tokens=10,
+            stream=True, stream_options={"include_usage": True},
+        )
+        last = list(stream)[-1]
+        costs.append(Decimal(str(last.usage.model_extra["cost"])))
+        events = tenant.usage()
+        assert len(events) == 6
+        assert sum(Decimal(e["cost"]) for e in events) == sum(costs)
+        org = tenant.org()
+        assert Decimal(org["total_granted"]) - Decimal(org["credits"]) == sum(costs)
+        key_before = tenant.http().get("/v1/key").json()
+        assert Decimal(key_before["spend"]) == sum(costs)
+        tenant.gw.admin.post(f"/keys/{tenant.key_id}/suspend")
+    finally:
+        stop(gw.proc)
+
+    gw2 = _pg_gateway(sim, pg_schema)
+    try:
+        # Same database: the key exists, is still suspended, balances are as they were.
+        r = gw2.http(tenant.key).post("/v1/chat/completions", json={
+            "model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 403
+        gw2.admin.post(f"/keys/{tenant.key_id}/reactivate")
+        key_after = gw2.http(tenant.key).get("/v1/key").json()
+        assert key_after["spend"] == key_before["spend"]
+        org2 = gw2.admin.get(f"/orgs/{tenant.org_id}").json()
+        assert org2["credits"] == org["credits"]
+        assert org2["usage_events"] == 6
+    finally:
+        stop(gw2.proc)
