@@ -3,6 +3,23 @@
 Order of work per request mirrors vLLM closely enough for a gateway to observe the
 same behaviour: body -> auth -> sim faults -> schema checks -> model -> prompt and
 context window -> generation -> one JSON body or an SSE stream.
+
+Per-request control object, body key ``"sim"`` (all keys optional; never part of the prompt)::
+
+    reply: str              exact content (tokenized; one stream chunk per token)
+    reply_tokens: int       length of the default pseudo-random reply
+    reasoning: str          exact reasoning text (emitted even for non-reasoning models)
+    tool_calls: [{"name": str, "arguments": object | str}]   emit these calls instead of text
+    status: int             answer with this status + vLLM error body (500 without
+                            error_message: plain text "Internal Server Error")
+    error_message: str      message for status / error_after / non-stream error_after
+    headers: {str: str}     extra response headers (e.g. Retry-After with status 429)
+    delay_ms: number        sleep before anything (before headers)
+    ttft_ms, token_delay_ms: number   override the global delays for this request
+    drop_after: int         stream: close the TCP connection after N SSE events (role chunk
+                            counts); non-stream: close without any response
+    error_after: int        stream: N events, then an in-band {"error":{...,"code":500}} and
+                            [DONE]; non-stream: HTTP 500 with a vLLM JSON error body
 """
 
 from __future__ import annotations
@@ -14,7 +31,7 @@ from aiohttp import web
 
 from . import checks, generate, tokenizer, wire
 from .checks import Invalid
-from .server import SimServer, _Ctx, new_id
+from .server import SimServer, Ctx, new_id
 from .settings import SimSettings
 
 SIM_KEY: web.AppKey[SimServer] = web.AppKey("kiln_sim", SimServer)
@@ -52,7 +69,7 @@ def _requested_calls(
     return calls, named
 
 
-async def chat_completions(srv: SimServer, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
+async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.StreamResponse:
     """POST /v1/chat/completions."""
     body = await srv.read_body(request)
     if isinstance(body, web.Response):
@@ -83,7 +100,7 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: _Ctx) -> w
         return srv.invalid(max_tokens)
     if s.forced_tool_choice_fails and body.get("tool_choice") == "required" and body.get("tools"):
         return wire.plain_500()
-    cached = srv.cached_tokens(ids)
+    cached = srv.cached_tokens(model, ids)
     calls, named = _requested_calls(body, sim, messages, s.forced_tool_choice_fails)
     kwargs = body.get("chat_template_kwargs")
     thinking = not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False)
@@ -111,13 +128,17 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: _Ctx) -> w
     if body.get("stream") is True:
         options = body.get("stream_options")
         include_usage = isinstance(options, dict) and options.get("include_usage") is True
-        events, n_tok = wire.chat_events(rid, created, model, plan, s.reasoning_field, usage if include_usage else None)
+        continuous = isinstance(options, dict) and options.get("continuous_usage_stats") is True
+        events, n_tok = wire.chat_events(
+            rid, created, model, plan, s.reasoning_field, usage if include_usage else None,
+            usage if continuous else None,
+        )
         return await srv.stream(request, sim, ctx, events, 2, n_tok + 1)
     data = wire.chat_body(rid, created, model, plan, s.reasoning_field, usage)
     return await srv.finish_plain(request, sim, ctx, data, plan.completion_tokens)
 
 
-async def completions(srv: SimServer, request: web.Request, ctx: _Ctx) -> web.StreamResponse:
+async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.StreamResponse:
     """POST /v1/completions: one choice per prompt (string, strings, ids, id lists)."""
     body = await srv.read_body(request)
     if isinstance(body, web.Response):
@@ -155,7 +176,7 @@ async def completions(srv: SimServer, request: web.Request, ctx: _Ctx) -> web.St
         max_tokens = checks.fit_max_tokens(len(ids), body.get("max_tokens"), 16, s.max_model_len, s.legacy_length_check)
         if isinstance(max_tokens, Invalid):
             return srv.invalid(max_tokens)
-        n_cached += srv.cached_tokens(ids)
+        n_cached += srv.cached_tokens(model, ids)
         plan = generate.plan_completion(
             seed=s.seed,
             prompt=text or ",".join(map(str, ids)),
@@ -205,7 +226,7 @@ def create_app(settings: SimSettings) -> web.Application:
     app[SIM_KEY] = srv
 
     def bind(fn: Any) -> Any:
-        async def handler(request: web.Request, ctx: _Ctx) -> web.StreamResponse:
+        async def handler(request: web.Request, ctx: Ctx) -> web.StreamResponse:
             return await fn(srv, request, ctx)
 
         return srv.track(handler)

@@ -16,18 +16,18 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from . import checks, generate, tokenizer, wire
+from . import checks, tokenizer, wire
 from .checks import Invalid
 from .settings import SimSettings
 
-Handler = Callable[[web.Request, "_Ctx"], Awaitable[web.StreamResponse]]
+Handler = Callable[[web.Request, "Ctx"], Awaitable[web.StreamResponse]]
 BLOCK = 16  # prefix-cache block size, in tokens
 PREFIX_CACHE_BLOCKS = 10_000
 RECENT_REQUESTS = 100
 _POLL_S = 0.05
 
 
-class _Ctx:
+class Ctx:
     """Per-request outcome flags the tracking wrapper reads after the handler."""
 
     __slots__ = ("faulted",)
@@ -90,7 +90,8 @@ class SimServer:
     def __init__(self, settings: SimSettings) -> None:
         self.settings = settings
         self.stats = Stats()
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_REQUESTS)
+        # (path, parsed body, raw header pairs); headers are decoded only when listed
+        self.recent: deque[tuple[str, Any, tuple[tuple[bytes, bytes], ...]]] = deque(maxlen=RECENT_REQUESTS)
         self.prefix: OrderedDict[int, None] = OrderedDict()
         self.started = int(time.time())
 
@@ -105,7 +106,7 @@ class SimServer:
             stats.in_flight += 1
             if stats.in_flight > stats.max_in_flight:
                 stats.max_in_flight = stats.in_flight
-            ctx = _Ctx()
+            ctx = Ctx()
             try:
                 resp = await handler(request, ctx)
             except asyncio.CancelledError:
@@ -130,15 +131,17 @@ class SimServer:
 
         return wrapped
 
-    async def read_body(self, request: web.Request) -> dict[str, Any] | web.Response:
-        """Read + record the JSON body, enforce the API key; a Response means stop."""
+    async def read_body(self, request: web.Request, record: bool = True) -> dict[str, Any] | web.Response:
+        """Read (and for /v1 record) the JSON body, enforce the API key; a Response means stop."""
         raw = await request.read()
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            self.recent.append({"path": request.path, "body": raw.decode("utf-8", "replace"), "headers": dict(request.headers)})
+            if record:
+                self.recent.append((request.path, raw.decode("utf-8", "replace"), request.raw_headers))
             return self.auth(request) or self.invalid(checks.invalid_json(str(exc)))
-        self.recent.append({"path": request.path, "body": body, "headers": dict(request.headers)})
+        if record:
+            self.recent.append((request.path, body, request.raw_headers))
         denied = self.auth(request)
         if denied is not None:
             return denied
@@ -167,8 +170,8 @@ class SimServer:
             return wire.error_response(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
         return model
 
-    def cached_tokens(self, ids: list[int]) -> int:
-        """Longest previously seen prefix, in whole 16-token blocks (LRU-bounded).
+    def cached_tokens(self, model: str, ids: list[int]) -> int:
+        """Longest previously seen prefix, in whole 16-token blocks (LRU-bounded, per model).
 
         Like vLLM, the last prompt token is always recomputed, so a fully repeated
         prompt reports the largest block multiple strictly below its length.
@@ -178,7 +181,7 @@ class SimServer:
             return 0
         lookup = (len(ids) - 1) // BLOCK
         cache = self.prefix
-        h = 0
+        h = hash(model)
         hit = 0
         matching = True
         for b in range(n_blocks):
@@ -194,7 +197,7 @@ class SimServer:
             cache.popitem(last=False)
         return hit * BLOCK
 
-    async def pre_faults(self, request: web.Request, sim: dict[str, Any], ctx: _Ctx) -> web.StreamResponse | None:
+    async def pre_faults(self, request: web.Request, sim: dict[str, Any], ctx: Ctx) -> web.StreamResponse | None:
         """sim.delay_ms and sim.status, applied before validation."""
         delay = _ms(sim.get("delay_ms"), 0.0)
         if delay > 0:
@@ -219,7 +222,7 @@ class SimServer:
         return resp
 
     async def finish_plain(
-        self, request: web.Request, sim: dict[str, Any], ctx: _Ctx, body: bytes, n_tokens: int
+        self, request: web.Request, sim: dict[str, Any], ctx: Ctx, body: bytes, n_tokens: int
     ) -> web.StreamResponse:
         """Non-streaming answer: wait out the simulated generation time, then one body."""
         s = self.settings
@@ -238,7 +241,7 @@ class SimServer:
         self,
         request: web.Request,
         sim: dict[str, Any],
-        ctx: _Ctx,
+        ctx: Ctx,
         events: list[bytes],
         delay_from: int,
         delay_to: int,
@@ -254,10 +257,10 @@ class SimServer:
         await resp.prepare(request)
         drop = _int(sim.get("drop_after"))
         fail = _int(sim.get("error_after"))
-        if drop is not None or fail is not None:
+        after = drop if drop is not None else fail
+        if after is not None:
             ctx.faulted = True
-            cut = min(drop if drop is not None else fail, len(events) - 1)  # type: ignore[type-var]
-            events = events[:cut]
+            events = events[: min(after, len(events) - 1)]  # never the final [DONE]
             if drop is None:
                 msg = str(sim.get("error_message") or "Simulated failure during generation")
                 events += [wire.stream_error_event(msg), wire.DONE]
@@ -304,7 +307,7 @@ class SimServer:
         return wire.json_response({"object": "list", "data": data})
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        body = await self.read_body(request)
+        body = await self.read_body(request, record=False)
         if isinstance(body, web.Response):
             return body
         if body.get("model") is not None:
@@ -336,7 +339,7 @@ class SimServer:
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        body = await self.read_body(request)
+        body = await self.read_body(request, record=False)
         if isinstance(body, web.Response):
             return body
         tokens = body.get("tokens")
@@ -352,7 +355,11 @@ class SimServer:
         return wire.json_response(self.stats.to_dict())
 
     async def get_requests(self, request: web.Request) -> web.Response:
-        return wire.json_response(list(self.recent))
+        out = [
+            {"path": path, "body": body, "headers": {k.decode("latin-1"): v.decode("latin-1") for k, v in raw}}
+            for path, body, raw in self.recent
+        ]
+        return wire.json_response(out)
 
     async def clear_requests(self, request: web.Request) -> web.Response:
         self.recent.clear()

@@ -167,6 +167,7 @@ def chat_events(
     plan: Plan,
     reasoning_field: str,
     usage: dict[str, Any] | None,
+    continuous: dict[str, Any] | None = None,
 ) -> tuple[list[bytes], int]:
     """All SSE events of a streamed chat completion, and the count of token events.
 
@@ -190,6 +191,8 @@ def chat_events(
         head + b"{}" + b',"logprobs":null,"finish_reason":' + _dumps(plan.finish_reason)
         + b',"stop_reason":' + _dumps(plan.stop_reason) + b"}]}\n\n"
     )
+    if continuous is not None:
+        events = _with_running_usage(events, continuous)
     if usage is not None:
         events.append(
             b'data: {"id":"' + rid.encode() + b'","object":"chat.completion.chunk","created":'
@@ -198,6 +201,17 @@ def chat_events(
         )
     events.append(DONE)
     return events, n_tokens
+
+
+def _with_running_usage(events: list[bytes], usage: dict[str, Any]) -> list[bytes]:
+    """vLLM's continuous_usage_stats: cumulative usage on every chunk (role chunk: 0 tokens)."""
+    prompt, total = usage["prompt_tokens"], usage["completion_tokens"]
+    out = []
+    for i, event in enumerate(events):
+        done = total if i == len(events) - 1 else min(i, total)
+        running = {"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}
+        out.append(event[: -len(b"}\n\n")] + b',"usage":' + _dumps(running) + b"}\n\n")
+    return out
 
 
 def completion_choice(index: int, text: str, logprobs: Any, plan: Plan) -> dict[str, Any]:
