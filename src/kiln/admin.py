@@ -30,7 +30,8 @@ def _json(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
 
 
-def _usd(body: dict[str, Any], name: str, *, allow_none: bool = True) -> int | None:
+def _usd(body: dict[str, Any], name: str, *, allow_none: bool = True, signed: bool = False) -> int | None:
+    """A USD amount from the body as nanodollars; negative only where `signed` (credit corrections)."""
     value = body.get(name)
     if value is None:
         if allow_none:
@@ -39,9 +40,12 @@ def _usd(body: dict[str, Any], name: str, *, allow_none: bool = True) -> int | N
     if isinstance(value, bool):
         raise errors.invalid(f"'{name}' must be a USD amount.", param=name)
     try:
-        return usd_to_nano(value)
+        nano = usd_to_nano(value)
     except ValueError as exc:
         raise errors.invalid(f"'{name}': {exc}", param=name) from None
+    if nano < 0 and not signed:
+        raise errors.invalid(f"'{name}' must not be negative.", param=name)
+    return nano
 
 
 def _int_or_none(body: dict[str, Any], name: str) -> int | None:
@@ -75,6 +79,7 @@ async def create_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any
     name = body.get("name")
     if not isinstance(name, str) or not name:
         raise errors.invalid("'name' is required.", param="name")
+    credits = _usd(body, "credits")  # every field is checked before anything is stored
     org = await gw.accounts.create_org(
         name,
         monthly_budget_nano=_usd(body, "monthly_budget"),
@@ -82,7 +87,6 @@ async def create_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any
         tpm_limit=_int_or_none(body, "tpm_limit"),
         concurrency_limit=_int_or_none(body, "concurrency_limit"),
     )
-    credits = _usd(body, "credits")
     if credits:
         await gw.accounts.add_credits(org.id, credits, "initial credits")
     return org.public()
@@ -115,7 +119,7 @@ async def update_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any
 
 
 async def add_credits(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
-    amount = _usd(body, "amount", allow_none=False)
+    amount = _usd(body, "amount", allow_none=False, signed=True)
     assert amount is not None
     note = body.get("note") if isinstance(body.get("note"), str) else ""
     org = await gw.accounts.add_credits(request.path_params["org_id"], amount, note)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import AsyncIterator, Callable
 
 import orjson
@@ -69,15 +70,18 @@ async def list_models(request: Request) -> Response:
 
 
 async def key_info(request: Request) -> Response:
-    """GET /v1/key: Bearer only, per the contract."""
+    """GET /v1/key: Bearer only, per the contract.
+
+    Served for suspended and revoked keys too (an expired key is a 401, like
+    everywhere): this is where a key's owner learns why the gateway refuses it.
+    """
     gw: Gateway = request.app.state.gateway
-    try:
-        token, problem = bearer_token(request.headers.get("authorization"), None)
-        if token is None:
-            raise errors.unauthorized(problem or "Send the key as 'Authorization: Bearer <key>'.")
-        key = gw.accounts.authenticate(token)
-    except GatewayError as err:
-        return _error(err)
+    token, problem = bearer_token(request.headers.get("authorization"), None)
+    key = gw.accounts.lookup(token) if token is not None else None
+    if key is None:
+        return _error(errors.unauthorized(problem or "Invalid API key."))
+    if key.expires_at is not None and key.expires_at <= time.time():
+        return _error(errors.unauthorized("This API key has expired."))
     project = gw.accounts.projects[key.project_id]
     return _json(
         {

@@ -126,8 +126,17 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
     if not isinstance(models, list):
         problems.append("models: expected an array of tables ([[models]])")
         models = []
+    names: dict[str, str] = {}
     for i, model in enumerate(models):
         _check_model(model, f"models[{i}]", env, problems)
+        if isinstance(model, dict):
+            where = f"models[{model.get('id') or i}]"
+            aliases = model.get("aliases") if isinstance(model.get("aliases"), list) else []
+            for name in [model.get("id"), *aliases]:
+                if isinstance(name, str) and name:
+                    if name in names:
+                        problems.append(f"{where}: the name {name!r} is already used by {names[name]}")
+                    names.setdefault(name, where)
     if problems:
         raise ConfigError(problems)
     settings.models = models
@@ -191,11 +200,11 @@ def _check_model(m: Any, where: str, env: dict[str, str], problems: list[str]) -
     if not isinstance(m, dict):
         problems.append(f"{where}: expected a table")
         return
-    _unknown(m, _MODEL_FIELDS, f"{where}.", problems)
     if not isinstance(m.get("id"), str) or not m.get("id"):
         problems.append(f"{where}.id: required, a non-empty string")
     else:
         where = f"models[{m['id']}]"
+    _unknown(m, _MODEL_FIELDS, f"{where}.", problems)
     aliases = m.get("aliases", [])
     if not isinstance(aliases, list) or not all(isinstance(a, str) and a for a in aliases):
         problems.append(f"{where}.aliases: expected a list of names")

@@ -55,17 +55,21 @@ class StreamResponse:
         headers: dict[str, str],
         keepalive: bytes,
         keepalive_s: float,
+        first: bytes = b"",
     ) -> None:
         self.produce = produce
         self.headers = headers
         self.keepalive = keepalive
         self.keepalive_s = keepalive_s
+        self.first = first  # sent with the headers (a keepalive when the backend is already slow)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                        (b"x-accel-buffering", b"no")]
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
         await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
+        if self.first:
+            await send({"type": "http.response.body", "body": self.first, "more_body": True})
         last = time.monotonic()
 
         async def write(data: bytes) -> None:

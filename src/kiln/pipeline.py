@@ -199,18 +199,21 @@ class Gateway:
         """
         pending = asyncio.ensure_future(self._send(call))
         done, _ = await asyncio.wait((pending,), timeout=self.settings.keepalive_s)
+        first = b""
         if done:
             resp = pending.result()  # raises the mapped GatewayError before any byte is sent
 
             async def produce(write: Write) -> None:
                 await self._pump(call, resp, write)
         else:
+            first = call.tr.keepalive()  # one interval of silence already passed
 
             async def produce(write: Write) -> None:
                 try:
                     resp = await pending
                 except GatewayError as err:
-                    self._finish(call)
+                    # The 200 and the generation id are out: record a zero-cost event under that id.
+                    await self._meter(call, status="error")
                     await write(call.tr.stream_error(err))
                     return
                 except BaseException:
@@ -223,6 +226,7 @@ class Gateway:
             {GENERATION_HEADER: call.generation_id},
             call.tr.keepalive(),
             self.settings.keepalive_s,
+            first,
         )
 
     async def _pump(self, call: _Call, resp: aiohttp.ClientResponse, write: Write) -> None:
@@ -290,7 +294,7 @@ class Gateway:
         try:
             await self.ledger.record(event)
         finally:
-            self._finish(call)
+            self._finish(call, u.prompt_tokens + u.completion_tokens)
         return event
 
     async def _estimate_usage(self, call: _Call) -> None:
@@ -314,9 +318,9 @@ class Gateway:
             u.prompt_tokens = len(orjson.dumps(payload.get("messages") or payload.get("prompt") or "")) // 4
             log.warning("usage for %s estimated without the backend's tokenizer", call.generation_id)
 
-    def _finish(self, call: _Call) -> None:
+    def _finish(self, call: _Call, tokens: int = 0) -> None:
         if not call.ticket.released:
-            self.admission.release(call.ticket)
+            self.admission.release(call.ticket, tokens)
             self.in_flight -= 1
 
 

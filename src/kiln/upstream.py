@@ -88,25 +88,44 @@ async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
     """The `data:` payloads of an SSE response, as raw bytes, in order.
 
     Splits on blank lines without decoding JSON; comments and other fields
-    are skipped. The terminating `[DONE]` is yielded like any payload.
+    are skipped. The terminating `[DONE]` is yielded like any payload. If the
+    backend drops the connection, the events it sent before are still
+    yielded, then the error is raised.
     """
     buf = b""
-    async for piece in resp.content.iter_any():
-        buf += piece
-        if b"\r" in buf:
-            buf = buf.replace(b"\r\n", b"\n")
-        while True:
-            end = buf.find(b"\n\n")
-            if end < 0:
-                break
-            event, buf = buf[:end], buf[end + 2 :]
-            for line in event.split(b"\n"):
-                if line.startswith(b"data:"):
-                    yield line[5:].lstrip(b" ")
-    if buf.strip():
-        for line in buf.split(b"\n"):
+    try:
+        async for piece in resp.content.iter_any():
+            buf += piece
+            events, buf = _split_events(buf)
+            for payload in events:
+                yield payload
+    except aiohttp.ClientPayloadError:
+        # aiohttp raises before handing out what it had buffered; take it first.
+        pending = getattr(resp.content, "_buffer", ())
+        events, _ = _split_events(buf + b"".join(pending))
+        for payload in events:
+            yield payload
+        raise
+    events, _ = _split_events(buf + b"\n\n")
+    for payload in events:
+        yield payload
+
+
+def _split_events(buf: bytes) -> tuple[list[bytes], bytes]:
+    """Complete SSE events' data payloads in buf, and the incomplete rest."""
+    if b"\r" in buf:
+        buf = buf.replace(b"\r\n", b"\n")
+    out: list[bytes] = []
+    start = 0
+    while True:
+        end = buf.find(b"\n\n", start)
+        if end < 0:
+            break
+        for line in buf[start:end].split(b"\n"):
             if line.startswith(b"data:"):
-                yield line[5:].lstrip(b" ")
+                out.append(line[5:].lstrip(b" "))
+        start = end + 2
+    return out, buf[start:]
 
 
 def upstream_error(status: int, body: bytes) -> GatewayError:

@@ -56,6 +56,10 @@ class Accounts:
 
     # -- the hot path -------------------------------------------------------
 
+    def lookup(self, token: str) -> ApiKey | None:
+        """The key for a token whatever its status (for GET /v1/key)."""
+        return self._by_hash.get(hash_key(token))
+
     def authenticate(self, token: str) -> ApiKey:
         """The key for a presented token, or 401/403 per the contract."""
         key = self._by_hash.get(hash_key(token))

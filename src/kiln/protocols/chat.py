@@ -80,6 +80,8 @@ class ChatTranslator:
         self._usage_chunk: dict[str, Any] | None = None
         self._model_from = b""
         self._model_to = b""
+        self._stream_id = ""  # of the chunks seen, for a usage chunk Kiln builds itself
+        self._created = 0
 
     # -- request ----------------------------------------------------------
 
@@ -218,8 +220,12 @@ class ChatTranslator:
         data["model"] = self.model.id
         out = b""
         keep: list[dict[str, Any]] = []
+        self._stream_id = data.get("id", self._stream_id)
+        self._created = data.get("created", self._created)
         for choice in data.get("choices") or ():
-            delta = choice.get("delta") or {}
+            delta = choice.get("delta")
+            if not isinstance(delta, dict):
+                delta = choice["delta"] = {}
             if self.single_tool_call and isinstance(delta.get("tool_calls"), list):
                 delta["tool_calls"] = [c for c in delta["tool_calls"] if c.get("index", 0) == 0]
                 if not delta["tool_calls"]:
@@ -249,7 +255,9 @@ class ChatTranslator:
         if not self.include_usage:
             return _DONE
         u = self.usage
-        chunk = self._usage_chunk or {"id": "", "object": "chat.completion.chunk", "choices": []}
+        chunk = self._usage_chunk or {
+            "id": self._stream_id, "object": "chat.completion.chunk", "created": self._created, "choices": []
+        }
         chunk["model"] = self.model.id
         usage = chunk.setdefault("usage", {})
         if not usage or not u.exact:
