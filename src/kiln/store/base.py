@@ -13,6 +13,45 @@ from typing import Any, Protocol
 
 from kiln.core.records import ApiKey, Org, Project, UsageEvent
 
+# Column lists shared by the SQL implementations, in the records' field order.
+ORG_COLUMNS = "id, name, credits_nano, monthly_budget_nano, rpm_limit, tpm_limit, concurrency_limit, created_at"
+KEY_COLUMNS = (
+    "id, project_id, org_id, key_hash, prefix, name, status, spend_limit_nano, expires_at, spend_nano, created_at"
+)
+USAGE_COLUMNS = (
+    "id, created_at, org_id, project_id, key_id, model, endpoint, prompt_tokens, cached_tokens,"
+    " completion_tokens, reasoning_tokens, cost_nano, status, cancelled, ttft_ms, duration_ms"
+)
+ORG_UPDATABLE = {"name", "credits_nano", "monthly_budget_nano", "rpm_limit", "tpm_limit", "concurrency_limit"}
+KEY_UPDATABLE = {"name", "status", "spend_limit_nano", "expires_at"}
+
+
+def usage_rows(events: list[UsageEvent]) -> list[tuple[Any, ...]]:
+    """Events as rows in USAGE_COLUMNS order."""
+    return [
+        (e.id, e.created_at, e.org_id, e.project_id, e.key_id, e.model, e.endpoint, e.prompt_tokens,
+         e.cached_tokens, e.completion_tokens, e.reasoning_tokens, e.cost_nano, e.status,
+         e.cancelled, e.ttft_ms, e.duration_ms)
+        for e in events
+    ]
+
+
+def cost_by_owner(events: list[UsageEvent]) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(cost, org_id) and (cost, key_id) sums of a batch, in a stable order (no deadlocks)."""
+    orgs: dict[str, int] = {}
+    keys: dict[str, int] = {}
+    for e in events:
+        if e.cost_nano:
+            orgs[e.org_id] = orgs.get(e.org_id, 0) + e.cost_nano
+            keys[e.key_id] = keys.get(e.key_id, 0) + e.cost_nano
+    return [(c, o) for o, c in sorted(orgs.items())], [(c, k) for k, c in sorted(keys.items())]
+
+
+def check_updatable(table: str, allowed: set[str], fields: dict[str, Any]) -> None:
+    unknown = set(fields) - allowed
+    if unknown:
+        raise ValueError(f"cannot update {sorted(unknown)} on {table}")
+
 
 @dataclass(slots=True)
 class Snapshot:

@@ -15,7 +15,17 @@ from typing import Any
 import asyncpg
 
 from kiln.core.records import ApiKey, Org, Project, UsageEvent
-from kiln.store.base import Snapshot
+from kiln.store.base import (
+    KEY_COLUMNS,
+    KEY_UPDATABLE,
+    ORG_COLUMNS,
+    ORG_UPDATABLE,
+    USAGE_COLUMNS,
+    Snapshot,
+    check_updatable,
+    cost_by_owner,
+    usage_rows,
+)
 
 MIGRATIONS: list[str] = [
     """
@@ -81,16 +91,6 @@ MIGRATIONS: list[str] = [
     """,
 ]
 
-_ORG_COLS = "id, name, credits_nano, monthly_budget_nano, rpm_limit, tpm_limit, concurrency_limit, created_at"
-_KEY_COLS = (
-    "id, project_id, org_id, key_hash, prefix, name, status, spend_limit_nano, expires_at, spend_nano, created_at"
-)
-_USAGE_COLS = (
-    "id, created_at, org_id, project_id, key_id, model, endpoint, prompt_tokens, cached_tokens,"
-    " completion_tokens, reasoning_tokens, cost_nano, status, cancelled, ttft_ms, duration_ms"
-)
-_ORG_FIELDS = {"name", "credits_nano", "monthly_budget_nano", "rpm_limit", "tpm_limit", "concurrency_limit"}
-_KEY_FIELDS = {"name", "status", "spend_limit_nano", "expires_at"}
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
@@ -135,23 +135,23 @@ class PostgresStore:
                 )
             }
             orgs = []
-            for row in await conn.fetch(f"SELECT {_ORG_COLS} FROM orgs"):
+            for row in await conn.fetch(f"SELECT {ORG_COLUMNS} FROM orgs"):
                 org = Org(*row)
                 org.month_spend_nano = int(spend.get(org.id) or 0)
                 orgs.append(org)
             projects = [Project(*r) for r in await conn.fetch("SELECT id, org_id, name, created_at FROM projects")]
-            keys = [ApiKey(*r) for r in await conn.fetch(f"SELECT {_KEY_COLS} FROM api_keys")]
+            keys = [ApiKey(*r) for r in await conn.fetch(f"SELECT {KEY_COLUMNS} FROM api_keys")]
         return Snapshot(orgs, projects, keys)
 
     async def insert_org(self, org: Org) -> None:
         await self._pool.execute(
-            f"INSERT INTO orgs ({_ORG_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
+            f"INSERT INTO orgs ({ORG_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
             org.id, org.name, org.credits_nano, org.monthly_budget_nano, org.rpm_limit,
             org.tpm_limit, org.concurrency_limit, org.created_at,
         )
 
     async def update_org(self, org_id: str, fields: dict[str, Any]) -> None:
-        await self._update("orgs", _ORG_FIELDS, org_id, fields)
+        await self._update("orgs", ORG_UPDATABLE, org_id, fields)
 
     async def add_credits(self, org_id: str, amount_nano: int, note: str) -> int:
         async with self._pool.acquire() as conn, conn.transaction():
@@ -172,41 +172,32 @@ class PostgresStore:
 
     async def insert_key(self, key: ApiKey) -> None:
         await self._pool.execute(
-            f"INSERT INTO api_keys ({_KEY_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11)",
+            f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11)",
             key.id, key.project_id, key.org_id, key.key_hash, key.prefix, key.name, key.status,
             key.spend_limit_nano, key.expires_at, key.spend_nano, key.created_at,
         )
 
     async def update_key(self, key_id: str, fields: dict[str, Any]) -> None:
-        await self._update("api_keys", _KEY_FIELDS, key_id, fields)
+        await self._update("api_keys", KEY_UPDATABLE, key_id, fields)
 
     async def record_usage(self, events: list[UsageEvent]) -> None:
-        rows = [
-            (e.id, e.created_at, e.org_id, e.project_id, e.key_id, e.model, e.endpoint, e.prompt_tokens,
-             e.cached_tokens, e.completion_tokens, e.reasoning_tokens, e.cost_nano, e.status,
-             e.cancelled, e.ttft_ms, e.duration_ms)
-            for e in events
-        ]
-        org_cost: dict[str, int] = {}
-        key_cost: dict[str, int] = {}
-        for e in events:
-            if e.cost_nano:
-                org_cost[e.org_id] = org_cost.get(e.org_id, 0) + e.cost_nano
-                key_cost[e.key_id] = key_cost.get(e.key_id, 0) + e.cost_nano
+        rows = usage_rows(events)
+        org_cost, key_cost = cost_by_owner(events)
+
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.copy_records_to_table(
-                "usage_events", records=rows, columns=[c.strip() for c in _USAGE_COLS.split(",")],
+                "usage_events", records=rows, columns=[c.strip() for c in USAGE_COLUMNS.split(",")],
                 schema_name=self.schema,
             )
             if org_cost:
                 await conn.executemany(
                     "UPDATE orgs SET credits_nano = credits_nano - $1 WHERE id = $2",
-                    [(c, o) for o, c in sorted(org_cost.items())],
+                    org_cost,
                 )
             if key_cost:
                 await conn.executemany(
                     "UPDATE api_keys SET spend_nano = spend_nano + $1 WHERE id = $2",
-                    [(c, k) for k, c in sorted(key_cost.items())],
+                    key_cost,
                 )
 
     async def list_usage(
@@ -217,7 +208,7 @@ class PostgresStore:
             if value:
                 args.append(value)
                 where.append(f"{column} = ${len(args)}")
-        sql = f"SELECT {_USAGE_COLS} FROM usage_events"
+        sql = f"SELECT {USAGE_COLUMNS} FROM usage_events"
         if where:
             sql += " WHERE " + " AND ".join(where)
         args.append(limit)
@@ -245,9 +236,7 @@ class PostgresStore:
         )
 
     async def _update(self, table: str, allowed: set[str], row_id: str, fields: dict[str, Any]) -> None:
-        unknown = set(fields) - allowed
-        if unknown:
-            raise ValueError(f"cannot update {sorted(unknown)} on {table}")
+        check_updatable(table, allowed, fields)
         if not fields:
             return
         cols = ", ".join(f"{name} = ${i}" for i, name in enumerate(fields, start=1))

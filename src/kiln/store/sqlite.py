@@ -17,7 +17,17 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from kiln.core.records import ApiKey, Org, Project, UsageEvent
-from kiln.store.base import Snapshot
+from kiln.store.base import (
+    KEY_COLUMNS,
+    KEY_UPDATABLE,
+    ORG_COLUMNS,
+    ORG_UPDATABLE,
+    USAGE_COLUMNS,
+    Snapshot,
+    check_updatable,
+    cost_by_owner,
+    usage_rows,
+)
 
 T = TypeVar("T")
 
@@ -84,17 +94,6 @@ MIGRATIONS: list[str] = [
     """,
 ]
 
-_ORG_COLS = "id, name, credits_nano, monthly_budget_nano, rpm_limit, tpm_limit, concurrency_limit, created_at"
-_KEY_COLS = (
-    "id, project_id, org_id, key_hash, prefix, name, status, spend_limit_nano, expires_at, spend_nano, created_at"
-)
-_USAGE_COLS = (
-    "id, created_at, org_id, project_id, key_id, model, endpoint, prompt_tokens, cached_tokens,"
-    " completion_tokens, reasoning_tokens, cost_nano, status, cancelled, ttft_ms, duration_ms"
-)
-_ORG_FIELDS = {"name", "credits_nano", "monthly_budget_nano", "rpm_limit", "tpm_limit", "concurrency_limit"}
-_KEY_FIELDS = {"name", "status", "spend_limit_nano", "expires_at"}
-
 
 class SQLiteStore:
     def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
@@ -141,25 +140,25 @@ class SQLiteStore:
                 ).fetchall()
             )
             orgs = []
-            for row in db.execute(f"SELECT {_ORG_COLS} FROM orgs"):
+            for row in db.execute(f"SELECT {ORG_COLUMNS} FROM orgs"):
                 org = Org(*row)
                 org.month_spend_nano = spend.get(org.id) or 0
                 orgs.append(org)
             projects = [Project(*r) for r in db.execute("SELECT id, org_id, name, created_at FROM projects")]
-            keys = [ApiKey(*r) for r in db.execute(f"SELECT {_KEY_COLS} FROM api_keys")]
+            keys = [ApiKey(*r) for r in db.execute(f"SELECT {KEY_COLUMNS} FROM api_keys")]
             return Snapshot(orgs, projects, keys)
 
         return await self._run(load)
 
     async def insert_org(self, org: Org) -> None:
         await self._write(
-            f"INSERT INTO orgs ({_ORG_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+            f"INSERT INTO orgs ({ORG_COLUMNS}) VALUES (?,?,?,?,?,?,?,?)",
             (org.id, org.name, org.credits_nano, org.monthly_budget_nano, org.rpm_limit,
              org.tpm_limit, org.concurrency_limit, org.created_at),
         )
 
     async def update_org(self, org_id: str, fields: dict[str, Any]) -> None:
-        await self._update("orgs", _ORG_FIELDS, org_id, fields)
+        await self._update("orgs", ORG_UPDATABLE, org_id, fields)
 
     async def add_credits(self, org_id: str, amount_nano: int, note: str) -> int:
         def add(db: sqlite3.Connection) -> int:
@@ -181,38 +180,28 @@ class SQLiteStore:
 
     async def insert_key(self, key: ApiKey) -> None:
         await self._write(
-            f"INSERT INTO api_keys ({_KEY_COLS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
             (key.id, key.project_id, key.org_id, key.key_hash, key.prefix, key.name, key.status,
              key.spend_limit_nano, key.expires_at, key.spend_nano, key.created_at),
         )
 
     async def update_key(self, key_id: str, fields: dict[str, Any]) -> None:
-        await self._update("api_keys", _KEY_FIELDS, key_id, fields)
+        await self._update("api_keys", KEY_UPDATABLE, key_id, fields)
 
     async def record_usage(self, events: list[UsageEvent]) -> None:
-        rows = [
-            (e.id, e.created_at, e.org_id, e.project_id, e.key_id, e.model, e.endpoint, e.prompt_tokens,
-             e.cached_tokens, e.completion_tokens, e.reasoning_tokens, e.cost_nano, e.status,
-             int(e.cancelled), e.ttft_ms, e.duration_ms)
-            for e in events
-        ]
-        org_cost: dict[str, int] = {}
-        key_cost: dict[str, int] = {}
-        for e in events:
-            if e.cost_nano:
-                org_cost[e.org_id] = org_cost.get(e.org_id, 0) + e.cost_nano
-                key_cost[e.key_id] = key_cost.get(e.key_id, 0) + e.cost_nano
+        rows = usage_rows(events)
+        org_cost, key_cost = cost_by_owner(events)
 
         def record(db: sqlite3.Connection) -> None:
             with _tx(db):
-                db.executemany(f"INSERT INTO usage_events ({_USAGE_COLS}) VALUES ({','.join('?' * 16)})", rows)
+                db.executemany(f"INSERT INTO usage_events ({USAGE_COLUMNS}) VALUES ({','.join('?' * 16)})", rows)
                 db.executemany(
                     "UPDATE orgs SET credits_nano = credits_nano - ? WHERE id = ?",
-                    [(c, o) for o, c in org_cost.items()],
+                    org_cost,
                 )
                 db.executemany(
                     "UPDATE api_keys SET spend_nano = spend_nano + ? WHERE id = ?",
-                    [(c, k) for k, c in key_cost.items()],
+                    key_cost,
                 )
 
         await self._run(record)
@@ -227,7 +216,7 @@ class SQLiteStore:
         if key_id:
             where.append("key_id = ?")
             args.append(key_id)
-        sql = f"SELECT {_USAGE_COLS} FROM usage_events"
+        sql = f"SELECT {USAGE_COLUMNS} FROM usage_events"
         if where:
             sql += " WHERE " + " AND ".join(where)
         sql += " ORDER BY created_at DESC, rowid DESC LIMIT ?"
@@ -275,9 +264,7 @@ class SQLiteStore:
         await self._run(write)
 
     async def _update(self, table: str, allowed: set[str], row_id: str, fields: dict[str, Any]) -> None:
-        unknown = set(fields) - allowed
-        if unknown:
-            raise ValueError(f"cannot update {sorted(unknown)} on {table}")
+        check_updatable(table, allowed, fields)
         if not fields:
             return
         cols = ", ".join(f"{name} = ?" for name in fields)
