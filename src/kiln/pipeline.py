@@ -37,7 +37,7 @@ from kiln.core.records import ApiKey, UsageEvent
 from kiln.http import StreamResponse, Write, read_body, wait_disconnect
 from kiln.protocols.base import Translator
 from kiln.router import Router
-from kiln.upstream import Upstream, sse_events, upstream_error
+from kiln.upstream import Upstream, sse_batches, upstream_error
 
 log = logging.getLogger("kiln.pipeline")
 
@@ -236,8 +236,14 @@ class Gateway:
         try:
             deadline = call.started + self.settings.request_timeout_s
             async with asyncio.timeout_at(asyncio.get_running_loop().time() + (deadline - time.monotonic())):
-                async for payload in sse_events(resp):
-                    out = tr.chunk(payload)
+                async for batch in sse_batches(resp):
+                    # One write for all that arrived in one read: far fewer syscalls under load.
+                    frames = []
+                    for payload in batch:
+                        frames.append(tr.chunk(payload))
+                        if tr.done:
+                            break
+                    out = b"".join(frames)
                     if out:
                         if call.ttft_ms is None:
                             call.ttft_ms = (time.monotonic() - call.started) * 1000

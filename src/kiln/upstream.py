@@ -84,31 +84,31 @@ class Upstream:
             return await resp.json(loads=orjson.loads, content_type=None)
 
 
-async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The `data:` payloads of an SSE response, as raw bytes, in order.
+async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+    """The `data:` payloads of an SSE response, as raw bytes, one list per network read.
 
-    Splits on blank lines without decoding JSON; comments and other fields
-    are skipped. The terminating `[DONE]` is yielded like any payload. If the
-    backend drops the connection, the events it sent before are still
-    yielded, then the error is raised.
+    Batching by read lets the caller answer with one write for everything
+    that arrived together. Comments and other fields are skipped; the
+    terminating `[DONE]` is yielded like any payload. If the backend drops the
+    connection, the events it sent before are still yielded, then the error
+    is raised.
     """
     buf = b""
     try:
         async for piece in resp.content.iter_any():
-            buf += piece
-            events, buf = _split_events(buf)
-            for payload in events:
-                yield payload
+            events, buf = _split_events(buf + piece)
+            if events:
+                yield events
     except aiohttp.ClientPayloadError:
         # aiohttp raises before handing out what it had buffered; take it first.
         pending = getattr(resp.content, "_buffer", ())
         events, _ = _split_events(buf + b"".join(pending))
-        for payload in events:
-            yield payload
+        if events:
+            yield events
         raise
     events, _ = _split_events(buf + b"\n\n")
-    for payload in events:
-        yield payload
+    if events:
+        yield events
 
 
 def _split_events(buf: bytes) -> tuple[list[bytes], bytes]:

@@ -19,8 +19,20 @@ from kiln.store.base import Store
 ADMIN_HASH_META = "admin_key_hash"
 
 
+_month: tuple[float, float, str] = (0.0, 0.0, "")  # [start, end) of the last month asked for
+
+
 def month_of(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m")
+    """Calendar month (UTC) of a Unix time, e.g. '2026-11'; cached, it is asked per request."""
+    global _month
+    start, end, name = _month
+    if start <= ts < end:
+        return name
+    d = datetime.fromtimestamp(ts, timezone.utc)
+    first = datetime(d.year, d.month, 1, tzinfo=timezone.utc)
+    after = datetime(d.year + d.month // 12, d.month % 12 + 1, 1, tzinfo=timezone.utc)
+    _month = (first.timestamp(), after.timestamp(), first.strftime("%Y-%m"))
+    return _month[2]
 
 
 def month_start(ts: float) -> float:

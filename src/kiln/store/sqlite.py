@@ -96,11 +96,14 @@ MIGRATIONS: list[str] = [
 
 
 class SQLiteStore:
+    CHECKPOINT_EVERY_S = 1.0
+
     def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
         self.path = str(path)
         self.synchronous = synchronous.upper()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-sqlite")
         self._db: sqlite3.Connection | None = None
+        self._checkpointer: asyncio.Task[None] | None = None
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         loop = asyncio.get_running_loop()
@@ -119,14 +122,38 @@ class SQLiteStore:
             db.execute(f"PRAGMA synchronous={self.synchronous}")
             db.execute("PRAGMA foreign_keys=ON")
             db.execute("PRAGMA busy_timeout=5000")
+            # Checkpoints (the only fsyncs in NORMAL mode) run on their own timer,
+            # not inside whichever commit crosses the threshold: no latency spike.
+            db.execute("PRAGMA wal_autocheckpoint=0")
             _migrate(db)
             return db
 
         loop = asyncio.get_running_loop()
         self._db = await loop.run_in_executor(self._pool, connect)
+        if self.path != ":memory:":
+            self._checkpointer = asyncio.create_task(self._checkpoint_loop(), name="kiln-sqlite-checkpoint")
+
+    async def _checkpoint_loop(self) -> None:
+        """PASSIVE checkpoints from a second connection: they never block the writer."""
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-sqlite-checkpoint")
+        loop = asyncio.get_running_loop()
+        db = await loop.run_in_executor(
+            pool, lambda: sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        )
+        try:
+            while True:
+                await asyncio.sleep(self.CHECKPOINT_EVERY_S)
+                await loop.run_in_executor(pool, lambda: db.execute("PRAGMA wal_checkpoint(PASSIVE)"))
+        finally:
+            pool.submit(db.close)
+            pool.shutdown(wait=False)
 
     async def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.cancel()
+            await asyncio.gather(self._checkpointer, return_exceptions=True)
         if self._db is not None:
+            await self._run(lambda db: db.execute("PRAGMA wal_checkpoint(TRUNCATE)"))
             await self._run(lambda db: db.close())
             self._db = None
         self._pool.shutdown(wait=True)
