@@ -57,8 +57,10 @@ class Sim:
         return self.requests()[-1]["body"]
 
 
-def start_sim(*args: str) -> Sim:
-    proc = subprocess.Popen(
+def start_sim(*args: str, ns: Any = None) -> Sim:
+    """A simulator subprocess; inside `ns` (an e2e.LoopbackNamespace) if given."""
+    popen = ns.popen if ns is not None else subprocess.Popen
+    proc = popen(
         [sys.executable, "-m", "kiln.sim", "--port", "0", *args],
         stdout=subprocess.PIPE,
         text=True,
@@ -182,13 +184,18 @@ class Tenant:
         return self.gw.admin.get(f"/orgs/{self.org_id}").json()
 
 
-def start_gateway(config_text: str, env: dict[str, str] | None = None) -> Gateway:
+def start_gateway(config_text: str, env: dict[str, str] | None = None, ns: Any = None) -> Gateway:
+    """A gateway subprocess with this config; inside `ns` (an e2e.LoopbackNamespace) if given.
+
+    Inside a namespace the test process cannot reach it: readiness is read from its log.
+    """
     data_dir = Path(tempfile.mkdtemp(prefix="kiln-test-"))
     config = data_dir / "kiln.toml"
     config.write_text(config_text)
     port = free_port()
     log = data_dir / "gateway.log"
-    proc = subprocess.Popen(
+    popen = ns.popen if ns is not None else subprocess.Popen
+    proc = popen(
         [sys.executable, "-m", "kiln", "serve", "--config", str(config), "--port", str(port),
          "--data-dir", str(data_dir)],
         stdout=log.open("w"),
@@ -201,6 +208,11 @@ def start_gateway(config_text: str, env: dict[str, str] | None = None) -> Gatewa
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"gateway exited: {log.read_text()}")
+        if ns is not None:
+            if "Uvicorn running on" in log.read_text():
+                return Gateway(url, proc, data_dir, log)
+            time.sleep(0.1)
+            continue
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return Gateway(url, proc, data_dir, log)

@@ -1,0 +1,68 @@
+"""Real clients (Claude Code, Codex CLI) against Kiln, isolated from any network.
+
+`npm_client()` installs a pinned npm package once into a cache outside the
+checkout (so CI pays the download once per machine, not per run) and returns
+the path of its binary. `LoopbackNamespace` holds a network namespace with
+only `lo` up: the simulator, the gateway and the client all run inside it
+(`ns.popen(...)`), so a client can reach nothing but 127.0.0.1 there. The
+test process itself stays outside and reads results from files (the
+gateway's SQLite ledger, the client's output).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+CACHE = Path(os.environ.get("KILN_E2E_CACHE", Path.home() / ".cache" / "kiln-e2e"))
+
+
+def npm_client(package: str, version: str, binary: str) -> Path:
+    """Install `package@version` into the cache once; return node_modules/.bin/<binary>."""
+    root = CACHE / f"{package.replace('/', '__')}@{version}"
+    bin_path = root / "node_modules" / ".bin" / binary
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not bin_path.exists() or not (root / ".installed").exists():
+            subprocess.run(
+                ["npm", "install", "--no-audit", "--no-fund", "--prefix", str(root), f"{package}@{version}"],
+                check=True, capture_output=True, timeout=900,
+            )
+            (root / ".installed").write_text(version)
+    return bin_path
+
+
+class LoopbackNamespace:
+    """A network namespace with only loopback, kept alive by a sleeping holder process."""
+
+    def __init__(self) -> None:
+        self.holder = subprocess.Popen(["unshare", "--net", "--", "sleep", "3600"])
+        deadline = time.monotonic() + 5
+        while not Path(f"/proc/{self.holder.pid}/ns/net").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)  # unshare execs sleep after entering the namespace
+        subprocess.run(self.prefix() + ["ip", "link", "set", "lo", "up"], check=True)
+
+    def prefix(self) -> list[str]:
+        return ["nsenter", "-t", str(self.holder.pid), "-n", "--"]
+
+    def popen(self, cmd: list[str], **kw: Any) -> subprocess.Popen[Any]:
+        return subprocess.Popen(self.prefix() + cmd, **kw)
+
+    def run(self, cmd: list[str], **kw: Any) -> subprocess.CompletedProcess[Any]:
+        return subprocess.run(self.prefix() + cmd, **kw)
+
+    def close(self) -> None:
+        self.holder.kill()
+        self.holder.wait()
+
+    def __enter__(self) -> "LoopbackNamespace":
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
