@@ -384,25 +384,45 @@ def test_org_with_no_credits_gets_402_credits_exhausted(gateway: Gateway, sim: S
     assert chat(t).status_code == 200
 
 
-def test_org_that_spent_its_credits_gets_402(gateway: Gateway) -> None:
+def test_credits_that_cannot_cover_the_prompt_are_402_before_the_model(gateway: Gateway, sim: Sim) -> None:
     t = tenant_with(gateway, credits="0.000000001")
-    assert chat(t).status_code == 200  # admitted while credits > 0, the cost drives them negative
-    credits = Decimal(t.org()["credits"])
-    assert credits < 0
+    before = sim.stats()["total"]
     assert_error(chat(t), 402, code="credits_exhausted")
     assert_error(chat(t, stream=True), 402, code="credits_exhausted")
-    assert_not_billed(t, 1, credits)
+    assert sim.stats()["total"] == before
+    assert_not_billed(t, 0, Decimal("0.000000001"))
+
+
+def _spend_until_402(t: Tenant, code: str, limit: int = 200) -> int:
+    """Send requests until the first 402; returns how many succeeded."""
+    for n in range(limit):
+        r = chat(t)
+        if r.status_code == 402:
+            assert_error(r, 402, code=code)
+            return n
+        assert r.status_code == 200, r.text
+    raise AssertionError("never reached the limit")
+
+
+def test_org_credits_run_out_exactly(gateway: Gateway) -> None:
+    t = tenant_with(gateway, credits="0.0001")
+    served = _spend_until_402(t, "credits_exhausted")
+    assert served >= 1
+    org = t.org()
+    assert Decimal(org["credits"]) >= 0, "reservations never let spend pass the credits"
+    assert Decimal(org["total_spend"]) == Decimal("0.0001") - Decimal(org["credits"])
+    assert_not_billed(t, served, Decimal(org["credits"]))
 
 
 def test_key_over_its_spend_limit_gets_402(gateway: Gateway) -> None:
-    t = tenant_with(gateway, key_fields={"spend_limit": "0.000000001"})
-    first = chat(t)
-    assert first.status_code == 200
+    t = tenant_with(gateway, key_fields={"spend_limit": "0.0001"})
+    served = _spend_until_402(t, "key_spend_limit_reached")
+    assert served >= 1
     spend = Decimal(t.http().get("/v1/key").json()["spend"])
-    assert spend > Decimal("0.000000001")
+    assert 0 < spend <= Decimal("0.0001")
     credits = Decimal(t.org()["credits"])
     assert_error(chat(t), 402, code="key_spend_limit_reached", type_="insufficient_quota")
-    assert_not_billed(t, 1, credits)
+    assert_not_billed(t, served, credits)
     assert Decimal(t.http().get("/v1/key").json()["spend"]) == spend
     # Another key of the same org is unaffected.
     other = gateway.admin.post("/keys", json={"project_id": t.project_id}).json()
@@ -420,15 +440,16 @@ def test_key_with_zero_spend_limit_gets_402_at_once(gateway: Gateway) -> None:
 
 
 def test_org_over_monthly_budget_gets_402(gateway: Gateway) -> None:
-    t = tenant_with(gateway, monthly_budget="0.000000001")
-    assert chat(t).status_code == 200
+    t = tenant_with(gateway, monthly_budget="0.0001")
+    served = _spend_until_402(t, "budget_exceeded")
+    assert served >= 1
     org = t.org()
-    assert Decimal(org["month_spend"]) > Decimal("0.000000001")
+    assert 0 < Decimal(org["month_spend"]) <= Decimal("0.0001")
     credits = Decimal(org["credits"])
     assert credits > 0
     err = assert_error(chat(t), 402, code="budget_exceeded")
     assert "budget" in err["message"].lower()
-    assert_not_billed(t, 1, credits)
+    assert_not_billed(t, served, credits)
     gateway.admin.patch(f"/orgs/{t.org_id}", json={"monthly_budget": "100"})
     assert chat(t).status_code == 200
 

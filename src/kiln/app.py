@@ -139,7 +139,7 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         await accounts.load()
         if settings.admin_key:
             accounts.add_admin_hash(hash_key(settings.admin_key))
-        ledger = Ledger(store, accounts.apply_usage)
+        ledger = Ledger(store)
         await ledger.start()
         upstream = Upstream(settings.connect_timeout_s, settings.request_timeout_s)
         await upstream.start()

@@ -29,7 +29,7 @@ from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
 from kiln.core import errors
 from kiln.core.accounts import Accounts
-from kiln.core.admission import Admission, Ticket
+from kiln.core.admission import Admission, Demand, Ticket
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
 from kiln.core.ledger import Ledger, new_generation_id
@@ -42,6 +42,8 @@ from kiln.upstream import Upstream, sse_batches, upstream_error
 log = logging.getLogger("kiln.pipeline")
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
+CAPPED_HEADER = "X-Kiln-Output-Capped"  # max_tokens lowered to what the money left covers
+BUDGET_NOTE = "Output stopped: the remaining credit, budget or key spend limit covers no more tokens."
 
 
 @dataclass
@@ -114,9 +116,12 @@ class Gateway:
             upstream_body = tr.request(body)
             if self.maintenance.active:
                 raise self.maintenance.error()
-            ticket = self.admission.admit(key, self.accounts.org(key.org_id))
+            ticket = self.admission.admit(key, self.accounts.org(key.org_id), _demand(tr, upstream_body, len(raw)))
         except GatewayError as err:
             return _reply(tr, err)
+        if ticket.capped:  # the money left covers less output than asked: ask the backend for less
+            upstream_body.pop("max_completion_tokens", None)
+            upstream_body["max_tokens"] = ticket.output_tokens
         call = _Call(key, tr, ticket, started, new_generation_id(), body=upstream_body)
         self.in_flight += 1
         try:
@@ -172,13 +177,11 @@ class Gateway:
             return Response(b"", status_code=499)
         raw = work.result()
         call.tr.response(raw)
-        call.ttft_ms = None
         event = await self._meter(call)
-        return Response(
-            call.tr.render(event.cost_nano),
-            media_type="application/json",
-            headers={GENERATION_HEADER: call.generation_id},
-        )
+        headers = {GENERATION_HEADER: call.generation_id}
+        if call.ticket.capped:
+            headers[CAPPED_HEADER] = str(call.ticket.output_tokens)
+        return Response(call.tr.render(event.cost_nano), media_type="application/json", headers=headers)
 
     async def _fetch(self, call: _Call) -> bytes:
         resp = await self._send(call)
@@ -243,6 +246,10 @@ class Gateway:
                         frames.append(tr.chunk(payload))
                         if tr.done:
                             break
+                    if tr.chunks >= call.ticket.output_tokens and not tr.done and not self._extend(call):
+                        # The money left covers no more output: end cleanly, as if at max_tokens.
+                        frames.append(tr.truncate(BUDGET_NOTE))
+                        tr.done = True
                     out = b"".join(frames)
                     if out:
                         if call.ttft_ms is None:
@@ -297,11 +304,15 @@ class Gateway:
             ttft_ms=call.ttft_ms,
             duration_ms=(time.monotonic() - call.started) * 1000,
         )
-        try:
-            await self.ledger.record(event)
-        finally:
+        if not call.ticket.released:
+            self.accounts.charge(event)  # with settle: no await between them
             self._finish(call, u.prompt_tokens + u.completion_tokens)
+        await self.ledger.record(event)
         return event
+
+    def _extend(self, call: _Call) -> bool:
+        key = call.key
+        return self.admission.extend(call.ticket, key, self.accounts.org(key.org_id)) > 0
 
     async def _estimate_usage(self, call: _Call) -> None:
         """Usage when the backend never reported it (client left, stream cut).
@@ -325,9 +336,24 @@ class Gateway:
             log.warning("usage for %s estimated without the backend's tokenizer", call.generation_id)
 
     def _finish(self, call: _Call, tokens: int = 0) -> None:
+        """Release the request's admission (reservation and slot); idempotent."""
         if not call.ticket.released:
-            self.admission.release(call.ticket, tokens)
+            self.admission.settle(call.ticket, tokens)
             self.in_flight -= 1
+
+
+def _demand(tr: Translator, body: dict[str, Any], body_bytes: int) -> Demand:
+    """The most a request can cost: one prompt token per body byte, its output cap."""
+    prices = tr.model.prices
+    asked = body.get("max_tokens") or body.get("max_completion_tokens")
+    max_output = min(asked, tr.model.max_output_tokens) if isinstance(asked, int) else tr.model.max_output_tokens
+    return Demand(
+        prompt_tokens_max=body_bytes,
+        input_nano_per_token=prices.input * 1000,
+        output_nano_per_token=prices.output * 1000,
+        max_output_tokens=max_output,
+        stream=tr.stream,
+    )
 
 
 def _reply(tr: Translator, err: GatewayError) -> Response:

@@ -12,6 +12,7 @@ import time
 from datetime import datetime, timezone
 
 from kiln.core import errors
+from kiln.core.clock import CLOCK
 from kiln.core.keys import ADMIN_PREFIX, display_prefix, hash_key, new_key, same_hash
 from kiln.core.records import KEY_STATUSES, ApiKey, Org, Project, UsageEvent
 from kiln.store.base import Store
@@ -40,6 +41,41 @@ def month_start(ts: float) -> float:
     return datetime(d.year, d.month, 1, tzinfo=timezone.utc).timestamp()
 
 
+def period_of(reset: str, ts: float) -> str:
+    """The spend-limit period a time falls in: '' (never resets), a day, an ISO week or a month (UTC)."""
+    if reset == "monthly":
+        return month_of(ts)
+    if reset == "never":
+        return ""
+    d = datetime.fromtimestamp(ts, timezone.utc)
+    if reset == "daily":
+        return d.strftime("%Y-%m-%d")
+    year, week, _ = d.isocalendar()
+    return f"{year}-W{week:02d}"
+
+
+def period_start(reset: str, ts: float) -> float:
+    d = datetime.fromtimestamp(ts, timezone.utc)
+    day = datetime(d.year, d.month, d.day, tzinfo=timezone.utc)
+    if reset == "daily":
+        return day.timestamp()
+    if reset == "weekly":
+        return day.timestamp() - d.weekday() * 86400.0
+    return month_start(ts)
+
+
+def roll_periods(org: Org | None, key: ApiKey | None, now: float) -> None:
+    """Start a new month's budget and a new key spend period when the calendar moved on."""
+    if org is not None:
+        month = month_of(now)
+        if org.month != month:
+            org.month, org.month_spend_nano = month, 0
+    if key is not None and key.spend_reset != "never":
+        period = period_of(key.spend_reset, now)
+        if key.period != period:
+            key.period, key.period_spend_nano = period, 0
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(8)}"
 
@@ -54,7 +90,7 @@ class Accounts:
         self._admin_hashes: list[str] = []
 
     async def load(self) -> None:
-        now = time.time()
+        now = CLOCK.time()
         snap = await self.store.load(month_start(now))
         month = month_of(now)
         self.orgs = {o.id: o for o in snap.orgs}
@@ -62,6 +98,13 @@ class Accounts:
             org.month = month
         self.projects = {p.id: p for p in snap.projects}
         self.keys = {k.id: k for k in snap.keys}
+        since = {reset: await self.store.key_spend_since(period_start(reset, now))
+                 for reset in ("daily", "weekly", "monthly")}
+        for key in self.keys.values():
+            key.period = period_of(key.spend_reset, now)
+            key.period_spend_nano = (
+                key.spend_nano if key.spend_reset == "never" else since[key.spend_reset].get(key.id, 0)
+            )
         self._by_hash = {k.key_hash: k for k in snap.keys}
         stored = await self.store.get_meta(ADMIN_HASH_META)
         self._admin_hashes = [stored] if stored else []
@@ -77,27 +120,26 @@ class Accounts:
         key = self._by_hash.get(hash_key(token))
         if key is None:
             raise errors.unauthorized("Invalid API key.")
-        if key.expires_at is not None and key.expires_at <= time.time():
+        if key.expires_at is not None and key.expires_at <= CLOCK.time():
             raise errors.unauthorized("This API key has expired.")
         if key.status != "active":
             raise errors.forbidden(f"This API key is {key.status}.", code=f"key_{key.status}")
         return key
 
-    def apply_usage(self, events: list[UsageEvent]) -> None:
-        """Mirror committed usage in the cached balances (the store already has it)."""
-        for e in events:
-            if not e.cost_nano:
-                continue
-            org = self.orgs.get(e.org_id)
-            if org is not None:
-                org.credits_nano -= e.cost_nano
-                month = month_of(e.created_at)
-                if org.month != month:
-                    org.month, org.month_spend_nano = month, 0
-                org.month_spend_nano += e.cost_nano
-            key = self.keys.get(e.key_id)
-            if key is not None:
-                key.spend_nano += e.cost_nano
+    def charge(self, event: UsageEvent) -> None:
+        """Apply a request's cost to the cached balances at once (its event commits right after),
+        so admission sees every settled request, committed or not."""
+        if not event.cost_nano:
+            return
+        org = self.orgs.get(event.org_id)
+        key = self.keys.get(event.key_id)
+        roll_periods(org, key, event.created_at)
+        if org is not None:
+            org.credits_nano -= event.cost_nano
+            org.month_spend_nano += event.cost_nano
+        if key is not None:
+            key.spend_nano += event.cost_nano
+            key.period_spend_nano += event.cost_nano
 
     # -- admin credential ---------------------------------------------------
 
@@ -122,7 +164,7 @@ class Accounts:
     async def create_org(self, name: str, **limits: int | None) -> Org:
         if any(o.name == name for o in self.orgs.values()):
             raise errors.GatewayError(409, f"An organisation named {name!r} exists.", code="conflict")
-        org = Org(id=_id("org"), name=name, created_at=time.time(), month=month_of(time.time()), **limits)
+        org = Org(id=_id("org"), name=name, created_at=time.time(), month=month_of(CLOCK.time()), **limits)
         await self.store.insert_org(org)
         self.orgs[org.id] = org
         return org
@@ -168,6 +210,7 @@ class Accounts:
         name: str = "",
         spend_limit_nano: int | None = None,
         expires_at: float | None = None,
+        **limits: object,
     ) -> tuple[ApiKey, str]:
         """A new key and its secret; the secret is not kept anywhere."""
         project = self.project(project_id)
@@ -182,7 +225,9 @@ class Accounts:
             spend_limit_nano=spend_limit_nano,
             expires_at=expires_at,
             created_at=time.time(),
+            **limits,  # type: ignore[arg-type]
         )
+        key.period = period_of(key.spend_reset, CLOCK.time())
         await self.store.insert_key(key)
         self.keys[key.id] = key
         self._by_hash[key.key_hash] = key
@@ -209,4 +254,10 @@ class Accounts:
         await self.store.update_key(key_id, fields)
         for name, value in fields.items():
             setattr(key, name, value)
+        if "spend_reset" in fields:
+            now = CLOCK.time()
+            key.period = period_of(key.spend_reset, now)
+            key.period_spend_nano = key.spend_nano if key.spend_reset == "never" else (
+                await self.store.key_spend_since(period_start(key.spend_reset, now))
+            ).get(key.id, 0)
         return key

@@ -1,30 +1,63 @@
-"""Admission: may this request start now?
+"""Admission: may this request start now, and how much may it spend?
 
-Checked after authentication and parsing, before any upstream call, with
-the first failing reason returned: credits, monthly budget and key spend
-limit (402), requests and tokens per minute (429 with rate-limit headers)
-and requests in flight (429 without headers, per the contract). Tokens
-count when a request ends, so the tokens-per-minute check admits on what
-the last minute actually used. In-process state; the
-interface (admit -> Ticket, release) is what a Redis-backed implementation
-for several replicas provides as well.
+One step, after authentication and parsing and before any upstream call,
+that checks and reserves everything together and answers with the first
+failing reason: credits, monthly budget and key spend limit (402, each with
+its own code), requests and tokens per minute and requests in flight, per
+organisation and optionally per key (429).
+
+Money is reserved, not just checked. A request reserves an upper bound on
+its prompt's cost (one token per byte of the body: no tokenizer produces
+more) plus a bounded output estimate, against credits, budget and key limit
+at once. Streams start with at most OUTPUT_BLOCK tokens reserved and extend
+the reservation as they go; when it cannot be extended the gateway ends the
+generation cleanly with a "length" finish. A non-streaming request reserves
+its whole output, capped to what the money left covers (its max_tokens is
+lowered to match). Settling releases the reservation and charges the real
+cost. So spend passes a limit only by what a stream receives in its last
+network read after its reservation ran out: at most one upstream read per
+in-flight stream (usually one token), which is the documented bound.
+
+This is the in-process implementation. A Redis implementation for several
+replicas provides the same four calls (admit, extend, settle, state) as
+atomic scripts with leases that expire if a replica dies.
 """
 
 from __future__ import annotations
 
-import time
+import math
 from collections import deque
 from dataclasses import dataclass, field
+from decimal import Decimal
 
 from kiln.config import Limits
 from kiln.core import errors
-from kiln.core.accounts import month_of
+from kiln.core.accounts import roll_periods
+from kiln.core.clock import CLOCK
 from kiln.core.records import ApiKey, Org
+
+OUTPUT_BLOCK = 512  # tokens a stream reserves at a time
+
+
+@dataclass(slots=True)
+class Demand:
+    """What a request may cost: prompt upper bound and output, in nanodollars per token."""
+
+    prompt_tokens_max: int
+    input_nano_per_token: Decimal
+    output_nano_per_token: Decimal
+    max_output_tokens: int
+    stream: bool
 
 
 @dataclass(slots=True)
 class Ticket:
     org_id: str
+    key_id: str
+    reserved_nano: int = 0
+    output_tokens: int = 0  # output tokens the reservation covers
+    output_nano_per_token: Decimal = Decimal(0)
+    capped: bool = False  # a non-streaming request's max_tokens must be lowered to output_tokens
     released: bool = False
 
 
@@ -46,13 +79,16 @@ class _Window:
         self.total += amount
 
     def reset_in(self, now: float) -> int:
-        """Seconds until the oldest entry leaves the window."""
-        return max(1, int(self.entries[0][0] + 60.0 - now + 0.999)) if self.entries else 1
+        """Whole seconds until the oldest entry leaves the window."""
+        return max(1, math.ceil(self.entries[0][0] + 60.0 - now)) if self.entries else 0
 
 
 @dataclass(slots=True)
-class _OrgState:
+class _State:
+    """Per organisation, and per key for keys with their own limits."""
+
     in_flight: int = 0
+    reserved_nano: int = 0
     requests: _Window = field(default_factory=_Window)
     tokens: _Window = field(default_factory=_Window)
 
@@ -60,62 +96,156 @@ class _OrgState:
 class Admission:
     def __init__(self, defaults: Limits) -> None:
         self.defaults = defaults
-        self._state: dict[str, _OrgState] = {}
+        self._orgs: dict[str, _State] = {}
+        self._keys: dict[str, _State] = {}
 
-    def admit(self, key: ApiKey, org: Org) -> Ticket:
-        if org.credits_nano <= 0:
-            raise errors.payment_required("Your organisation's credits are exhausted. Top up to continue.",
-                                          "credits_exhausted")
-        month = month_of(time.time())
-        if org.month != month:  # a new calendar month: the budget starts again
-            org.month, org.month_spend_nano = month, 0
-        if org.monthly_budget_nano is not None and org.month_spend_nano >= org.monthly_budget_nano:
-            raise errors.payment_required("Your organisation reached its monthly budget.", "budget_exceeded")
-        if key.spend_limit_nano is not None and key.spend_nano >= key.spend_limit_nano:
-            raise errors.payment_required("This API key reached its spend limit.", "key_spend_limit_reached")
-        state = self._state.setdefault(org.id, _OrgState())
-        concurrency = org.concurrency_limit or self.defaults.concurrency
-        if state.in_flight >= concurrency:
-            raise errors.rate_limited(
-                f"Your organisation already has {concurrency} requests in flight. Back off and retry."
-            )
-        now = time.monotonic()
+    # -- the four calls -------------------------------------------------------
+
+    def admit(self, key: ApiKey, org: Org, demand: Demand) -> Ticket:
+        roll_periods(org, key, CLOCK.time())
+        org_state = self._orgs.setdefault(org.id, _State())
+        key_state = self._keys.setdefault(key.id, _State())
+        available, scope = self._available(key, org, org_state, key_state)
+        prompt_nano = _ceil(demand.prompt_tokens_max * demand.input_nano_per_token)
+        if available <= prompt_nano:
+            raise _payment_error(scope, available <= 0)
+        now = CLOCK.monotonic()
+        self._check_rates(org_state, org.concurrency_limit or self.defaults.concurrency,
+                          org.rpm_limit or self.defaults.rpm, org.tpm_limit or self.defaults.tpm, now, "organisation")
+        self._check_rates(key_state, key.concurrency_limit, key.rpm_limit, key.tpm_limit, now, "key")
+        want = min(demand.max_output_tokens, OUTPUT_BLOCK) if demand.stream else demand.max_output_tokens
+        affordable = _affordable(available - prompt_nano, demand.output_nano_per_token)
+        output = min(want, affordable)
+        if output < 1 <= want:
+            raise _payment_error(scope, False)
+        ticket = Ticket(org.id, key.id, output_nano_per_token=demand.output_nano_per_token,
+                        output_tokens=output, capped=not demand.stream and output < want)
+        self._reserve(ticket, prompt_nano + _ceil(output * demand.output_nano_per_token))
+        for state in (org_state, key_state):
+            state.in_flight += 1
+            state.requests.add(now, 1)
+        return ticket
+
+    def extend(self, ticket: Ticket, key: ApiKey, org: Org, tokens: int = OUTPUT_BLOCK) -> int:
+        """Reserve up to `tokens` more output tokens for a running stream; returns how many."""
+        if ticket.released:
+            return 0
+        available, _ = self._available(key, org, self._orgs[org.id], self._keys[key.id])
+        granted = min(tokens, _affordable(available, ticket.output_nano_per_token))
+        if granted > 0:
+            self._reserve(ticket, _ceil(granted * ticket.output_nano_per_token))
+            ticket.output_tokens += granted
+        return granted
+
+    def settle(self, ticket: Ticket, tokens: int = 0) -> None:
+        """End of a request: release its reservation and slot, count its tokens.
+
+        The caller charges the real cost in the same step (Accounts.charge),
+        with no await in between, so no other request sees neither.
+        """
+        if ticket.released:
+            return
+        ticket.released = True
+        now = CLOCK.monotonic()
+        for state in (self._orgs[ticket.org_id], self._keys[ticket.key_id]):
+            state.in_flight -= 1
+            state.reserved_nano -= ticket.reserved_nano
+            if tokens:
+                state.tokens.add(now, tokens)
+
+    def state(self, key: ApiKey, org: Org) -> dict[str, object]:
+        """What the key can still spend and its rate-limit state (GET /v1/key)."""
+        roll_periods(org, key, CLOCK.time())
+        org_state = self._orgs.get(org.id) or _State()
+        key_state = self._keys.get(key.id) or _State()
+        available, scope = self._available(key, org, org_state, key_state)
+        now = CLOCK.monotonic()
         rpm = org.rpm_limit or self.defaults.rpm
-        if state.requests.used(now) >= rpm:
+        tpm = org.tpm_limit or self.defaults.tpm
+        return {
+            "spendable_nano": max(available, 0),
+            "spendable_limited_by": scope,
+            "requests_per_minute": rpm,
+            "requests_left": max(rpm - org_state.requests.used(now), 0),
+            "requests_reset_s": org_state.requests.reset_in(now),
+            "tokens_per_minute": tpm,
+            "tokens_left": None if tpm is None else max(tpm - org_state.tokens.used(now), 0),
+            "tokens_reset_s": org_state.tokens.reset_in(now),
+            "in_flight": org_state.in_flight,
+            "concurrency_limit": org.concurrency_limit or self.defaults.concurrency,
+        }
+
+    def in_flight(self, org_id: str) -> int:
+        state = self._orgs.get(org_id)
+        return state.in_flight if state else 0
+
+    # -- helpers ------------------------------------------------------------------
+
+    def _available(self, key: ApiKey, org: Org, org_state: _State, key_state: _State) -> tuple[int, str]:
+        """Money left after reservations, and which limit binds."""
+        left = [(org.credits_nano - org_state.reserved_nano, "credits")]
+        if org.monthly_budget_nano is not None:
+            left.append((org.monthly_budget_nano - org.month_spend_nano - org_state.reserved_nano, "budget"))
+        if key.spend_limit_nano is not None:
+            left.append((key.spend_limit_nano - key.period_spend_nano - key_state.reserved_nano, "key"))
+        return min(left)
+
+    def _reserve(self, ticket: Ticket, nano: int) -> None:
+        ticket.reserved_nano += nano
+        self._orgs[ticket.org_id].reserved_nano += nano
+        self._keys[ticket.key_id].reserved_nano += nano
+
+    @staticmethod
+    def _check_rates(state: _State, concurrency: int | None, rpm: int | None, tpm: int | None,
+                     now: float, who: str) -> None:
+        if concurrency is not None and state.in_flight >= concurrency:
+            # The contract: the concurrency 429 carries no rate-limit headers.
+            raise errors.rate_limited(
+                f"This {who} already has {concurrency} requests in flight. Back off and retry."
+            )
+        headers: dict[str, str] = {}
+        if rpm is not None:
+            headers["x-ratelimit-limit-requests"] = str(rpm)
+            headers["x-ratelimit-remaining-requests"] = str(max(rpm - state.requests.used(now), 0))
+        if tpm is not None:
+            headers["x-ratelimit-limit-tokens"] = str(tpm)
+            headers["x-ratelimit-remaining-tokens"] = str(max(tpm - state.tokens.used(now), 0))
+        if rpm is not None and state.requests.used(now) >= rpm:
             reset = state.requests.reset_in(now)
             raise errors.rate_limited(
-                f"Rate limit of {rpm} requests per minute reached. Retry in {reset} s.",
-                headers=_headers("requests", rpm, reset),
+                f"This {who} reached its limit of {rpm} requests per minute. Retry in {reset} s.",
+                headers={**headers, "x-ratelimit-reset": str(reset), "retry-after": str(reset)},
             )
-        tpm = org.tpm_limit or self.defaults.tpm
         if tpm is not None and state.tokens.used(now) >= tpm:
             reset = state.tokens.reset_in(now)
             raise errors.rate_limited(
-                f"Rate limit of {tpm} tokens per minute reached. Retry in {reset} s.",
-                headers=_headers("tokens", tpm, reset),
+                f"This {who} reached its limit of {tpm} tokens per minute. Retry in {reset} s.",
+                headers={**headers, "x-ratelimit-reset": str(reset), "retry-after": str(reset)},
             )
-        state.requests.add(now, 1)
-        state.in_flight += 1
-        return Ticket(org.id)
-
-    def release(self, ticket: Ticket, tokens: int = 0) -> None:
-        """End of a request: free its slot and count the tokens it used."""
-        if not ticket.released:
-            ticket.released = True
-            state = self._state[ticket.org_id]
-            state.in_flight -= 1
-            if tokens:
-                state.tokens.add(time.monotonic(), tokens)
-
-    def in_flight(self, org_id: str) -> int:
-        state = self._state.get(org_id)
-        return state.in_flight if state else 0
 
 
-def _headers(kind: str, limit: int, reset: int) -> dict[str, str]:
-    return {
-        f"x-ratelimit-limit-{kind}": str(limit),
-        f"x-ratelimit-remaining-{kind}": "0",
-        "x-ratelimit-reset": str(reset),
-        "retry-after": str(reset),
-    }
+def _ceil(value: Decimal | int) -> int:
+    return int(math.ceil(value))
+
+
+def _affordable(nano: int, per_token: Decimal) -> int:
+    if nano <= 0:
+        return 0
+    if per_token <= 0:
+        return 1 << 40
+    return int(nano // per_token)
+
+
+_PAYMENT = {
+    "credits": ("credits_exhausted", "Your organisation's credits are exhausted. Top up to continue.",
+                "Your organisation's remaining credits do not cover this request."),
+    "budget": ("budget_exceeded", "Your organisation reached its monthly budget.",
+               "Your organisation's remaining monthly budget does not cover this request."),
+    "key": ("key_spend_limit_reached", "This API key reached its spend limit.",
+            "This API key's remaining spend limit does not cover this request."),
+}
+
+
+def _payment_error(scope: str, exhausted: bool) -> errors.GatewayError:
+    code, gone, short = _PAYMENT[scope]
+    return errors.payment_required(gone if exhausted else short, code)

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Callable
-
 from kiln.core.records import UsageEvent
 from kiln.store.base import Store
 
@@ -28,9 +26,8 @@ def new_generation_id() -> str:
 
 
 class Ledger:
-    def __init__(self, store: Store, on_commit: Callable[[list[UsageEvent]], None]) -> None:
+    def __init__(self, store: Store) -> None:
         self.store = store
-        self.on_commit = on_commit
         self._queue: asyncio.Queue[tuple[UsageEvent, asyncio.Future[None]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self.committed = 0
@@ -81,7 +78,6 @@ class Ledger:
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
             self.committed += len(events)
-            self.on_commit(events)
             for _, fut in batch:
                 if not fut.done():
                     fut.set_result(None)

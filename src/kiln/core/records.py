@@ -12,6 +12,7 @@ from typing import Any
 from kiln.core.money import nano_to_usd_str
 
 KEY_STATUSES = ("active", "suspended", "revoked")
+SPEND_RESETS = ("never", "daily", "weekly", "monthly")
 
 
 @dataclass(slots=True)
@@ -68,6 +69,13 @@ class ApiKey:
     expires_at: float | None = None
     spend_nano: int = 0
     created_at: float = 0.0
+    spend_reset: str = "never"  # never | daily | weekly | monthly: when the spend limit starts again
+    rpm_limit: int | None = None
+    tpm_limit: int | None = None
+    concurrency_limit: int | None = None
+    # Derived, kept in memory: spend in the current reset period (all spend when "never").
+    period_spend_nano: int = 0
+    period: str = ""
 
     def public(self) -> dict[str, Any]:
         return {
@@ -78,8 +86,13 @@ class ApiKey:
             "prefix": self.prefix,
             "status": self.status,
             "spend_limit": _usd_or_none(self.spend_limit_nano),
+            "spend_reset": self.spend_reset,
+            "period_spend": nano_to_usd_str(self.period_spend_nano),
             "expires_at": int(self.expires_at) if self.expires_at is not None else None,
             "spend": nano_to_usd_str(self.spend_nano),
+            "rpm_limit": self.rpm_limit,
+            "tpm_limit": self.tpm_limit,
+            "concurrency_limit": self.concurrency_limit,
             "created_at": int(self.created_at),
         }
 

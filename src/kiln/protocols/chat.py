@@ -198,6 +198,9 @@ class ChatTranslator:
             data = orjson.loads(payload)
             if self._take_usage(data):
                 return b""
+        if not self.chunks:  # the first chunk names the stream (for chunks Kiln adds)
+            head = orjson.loads(payload)
+            self._stream_id, self._created = head.get("id", ""), head.get("created", 0)
         self.chunks += 1
         if self._model_from:
             payload = payload.replace(self._model_from, self._model_to, 1)
@@ -265,6 +268,14 @@ class ChatTranslator:
                          total_tokens=u.prompt_tokens + u.completion_tokens)
         usage["cost"] = cost_fragment(cost_nano)
         return b"data: " + orjson.dumps(chunk) + b"\n\n" + _DONE
+
+    def truncate(self, note: str) -> bytes:
+        chunk = {
+            "id": self._stream_id, "object": "chat.completion.chunk", "created": self._created,
+            "model": self.model.id, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+            "kiln_note": note,
+        }
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def keepalive(self) -> bytes:
         return b": keepalive\n\n"

@@ -16,14 +16,17 @@ from kiln.core.records import ApiKey, Org, Project, UsageEvent
 # Column lists shared by the SQL implementations, in the records' field order.
 ORG_COLUMNS = "id, name, credits_nano, monthly_budget_nano, rpm_limit, tpm_limit, concurrency_limit, created_at"
 KEY_COLUMNS = (
-    "id, project_id, org_id, key_hash, prefix, name, status, spend_limit_nano, expires_at, spend_nano, created_at"
+    "id, project_id, org_id, key_hash, prefix, name, status, spend_limit_nano, expires_at, spend_nano, created_at,"
+    " spend_reset, rpm_limit, tpm_limit, concurrency_limit"
 )
 USAGE_COLUMNS = (
     "id, created_at, org_id, project_id, key_id, model, endpoint, prompt_tokens, cached_tokens,"
     " completion_tokens, reasoning_tokens, cost_nano, status, cancelled, ttft_ms, duration_ms"
 )
 ORG_UPDATABLE = {"name", "credits_nano", "monthly_budget_nano", "rpm_limit", "tpm_limit", "concurrency_limit"}
-KEY_UPDATABLE = {"name", "status", "spend_limit_nano", "expires_at"}
+KEY_UPDATABLE = {
+    "name", "status", "spend_limit_nano", "expires_at", "spend_reset", "rpm_limit", "tpm_limit", "concurrency_limit"
+}
 
 
 def usage_rows(events: list[UsageEvent]) -> list[tuple[Any, ...]]:
@@ -81,6 +84,9 @@ class Store(Protocol):
     async def record_usage(self, events: list[UsageEvent]) -> None:
         """Insert the events and, in the same transaction, deduct each cost
         from its organisation's credits and add it to its key's spend."""
+
+    async def key_spend_since(self, since: float) -> dict[str, int]:
+        """Spend per key since a time (for spend limits that reset)."""
 
     async def list_usage(
         self, org_id: str | None = None, key_id: str | None = None, limit: int = 100

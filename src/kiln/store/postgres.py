@@ -89,6 +89,12 @@ MIGRATIONS: list[str] = [
     CREATE INDEX usage_events_key_time ON usage_events (key_id, created_at);
     CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
     """,
+    """
+    ALTER TABLE api_keys ADD COLUMN spend_reset TEXT NOT NULL DEFAULT 'never';
+    ALTER TABLE api_keys ADD COLUMN rpm_limit INTEGER;
+    ALTER TABLE api_keys ADD COLUMN tpm_limit INTEGER;
+    ALTER TABLE api_keys ADD COLUMN concurrency_limit INTEGER;
+    """,
 ]
 
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
@@ -172,9 +178,10 @@ class PostgresStore:
 
     async def insert_key(self, key: ApiKey) -> None:
         await self._pool.execute(
-            f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11)",
+            f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15)",
             key.id, key.project_id, key.org_id, key.key_hash, key.prefix, key.name, key.status,
-            key.spend_limit_nano, key.expires_at, key.spend_nano, key.created_at,
+            key.spend_limit_nano, key.expires_at, key.spend_nano, key.created_at, key.spend_reset,
+            key.rpm_limit, key.tpm_limit, key.concurrency_limit,
         )
 
     async def update_key(self, key_id: str, fields: dict[str, Any]) -> None:
@@ -199,6 +206,12 @@ class PostgresStore:
                     "UPDATE api_keys SET spend_nano = spend_nano + $1 WHERE id = $2",
                     key_cost,
                 )
+
+    async def key_spend_since(self, since: float) -> dict[str, int]:
+        rows = await self._pool.fetch(
+            "SELECT key_id, SUM(cost_nano) FROM usage_events WHERE created_at >= $1 GROUP BY key_id", since
+        )
+        return {r[0]: int(r[1]) for r in rows}
 
     async def list_usage(
         self, org_id: str | None = None, key_id: str | None = None, limit: int = 100

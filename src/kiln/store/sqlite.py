@@ -92,6 +92,12 @@ MIGRATIONS: list[str] = [
     CREATE INDEX usage_events_key_time ON usage_events (key_id, created_at);
     CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
     """,
+    """
+    ALTER TABLE api_keys ADD COLUMN spend_reset TEXT NOT NULL DEFAULT 'never';
+    ALTER TABLE api_keys ADD COLUMN rpm_limit INTEGER;
+    ALTER TABLE api_keys ADD COLUMN tpm_limit INTEGER;
+    ALTER TABLE api_keys ADD COLUMN concurrency_limit INTEGER;
+    """,
 ]
 
 
@@ -207,9 +213,10 @@ class SQLiteStore:
 
     async def insert_key(self, key: ApiKey) -> None:
         await self._write(
-            f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            f"INSERT INTO api_keys ({KEY_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (key.id, key.project_id, key.org_id, key.key_hash, key.prefix, key.name, key.status,
-             key.spend_limit_nano, key.expires_at, key.spend_nano, key.created_at),
+             key.spend_limit_nano, key.expires_at, key.spend_nano, key.created_at, key.spend_reset,
+             key.rpm_limit, key.tpm_limit, key.concurrency_limit),
         )
 
     async def update_key(self, key_id: str, fields: dict[str, Any]) -> None:
@@ -232,6 +239,15 @@ class SQLiteStore:
                 )
 
         await self._run(record)
+
+    async def key_spend_since(self, since: float) -> dict[str, int]:
+        def query(db: sqlite3.Connection) -> dict[str, int]:
+            rows = db.execute(
+                "SELECT key_id, SUM(cost_nano) FROM usage_events WHERE created_at >= ? GROUP BY key_id", (since,)
+            )
+            return {k: int(v) for k, v in rows}
+
+        return await self._run(query)
 
     async def list_usage(
         self, org_id: str | None = None, key_id: str | None = None, limit: int = 100
