@@ -18,6 +18,8 @@ from starlette.routing import Route
 
 from kiln.core import errors
 from kiln.core.errors import GatewayError
+from kiln.core.records import SPEND_RESETS
+from kiln.core.clock import CLOCK
 from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str, usd_to_nano
 from kiln.pipeline import Gateway
@@ -155,7 +157,7 @@ async def create_key(request: Request, gw: Gateway, body: dict[str, Any]) -> Any
         raise errors.invalid("'project_id' is required.", param="project_id")
     name = body.get("name") if isinstance(body.get("name"), str) else ""
     key, secret = await gw.accounts.create_key(
-        project_id, name, _usd(body, "spend_limit"), _time_or_none(body, "expires_at")
+        project_id, name, _usd(body, "spend_limit"), _time_or_none(body, "expires_at"), **_key_limits(body)
     )
     return {**key.public(), "key": secret, "note": "Store this key now: it is not shown again."}
 
@@ -168,10 +170,27 @@ async def update_key(request: Request, gw: Gateway, body: dict[str, Any]) -> Any
         fields["expires_at"] = _time_or_none(body, "expires_at")
     if "name" in body:
         fields["name"] = str(body["name"])
-    unknown = set(body) - {"spend_limit", "expires_at", "name"}
+    fields.update(_key_limits(body))
+    unknown = set(body) - {"spend_limit", "expires_at", "name", *_KEY_LIMITS}
     if unknown:
         raise errors.invalid(f"Unknown fields: {', '.join(sorted(unknown))}.")
     return (await gw.accounts.update_key(request.path_params["key_id"], **fields)).public()
+
+
+_KEY_LIMITS = ("spend_reset", "rpm_limit", "tpm_limit", "concurrency_limit")
+
+
+def _key_limits(body: dict[str, Any]) -> dict[str, Any]:
+    """The optional per-key limits present in the body, validated."""
+    fields: dict[str, Any] = {}
+    if "spend_reset" in body:
+        if body["spend_reset"] not in SPEND_RESETS:
+            raise errors.invalid(f"'spend_reset' must be one of {', '.join(SPEND_RESETS)}.", param="spend_reset")
+        fields["spend_reset"] = body["spend_reset"]
+    for name in ("rpm_limit", "tpm_limit", "concurrency_limit"):
+        if name in body:
+            fields[name] = _int_or_none(body, name)
+    return fields
 
 
 def _status_setter(status: str) -> Handler:
@@ -198,12 +217,21 @@ async def get_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -
 
 async def set_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
     until = _time_or_none(body, "until")
-    if until is not None and until <= time.time():
+    if until is not None and until <= CLOCK.time():
         raise errors.invalid("'until' must be in the future (or null to end maintenance).", param="until")
     gw.maintenance.until = until
     if isinstance(body.get("message"), str):
         gw.maintenance.message = body["message"]
     return await get_maintenance(request, gw, body)
+
+
+async def advance_clock(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    """Test-only (KILN_TEST_CLOCK=1): move the gateway's clock forward."""
+    seconds = body.get("seconds")
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+        raise errors.invalid("'seconds' must be a non-negative number.", param="seconds")
+    CLOCK.advance(float(seconds))
+    return {"offset_s": CLOCK.offset, "time": CLOCK.time()}
 
 
 def _endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaitable[Response]]:
@@ -249,3 +277,4 @@ routes = [
     Route("/admin/v1/maintenance", _endpoint(get_maintenance), methods=["GET"]),
     Route("/admin/v1/maintenance", _endpoint(set_maintenance), methods=["PUT"]),
 ]
+test_routes = [Route("/admin/v1/clock", _endpoint(advance_clock), methods=["POST"])]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from typing import AsyncIterator, Callable
 
 import orjson
@@ -24,6 +23,7 @@ from kiln.catalog import Catalog
 from kiln.config import Settings
 from kiln.core import errors
 from kiln.core.accounts import Accounts
+from kiln.core.clock import CLOCK
 from kiln.core.admission import Admission
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token, hash_key
@@ -80,9 +80,11 @@ async def key_info(request: Request) -> Response:
     key = gw.accounts.lookup(token) if token is not None else None
     if key is None:
         return _error(errors.unauthorized(problem or "Invalid API key."))
-    if key.expires_at is not None and key.expires_at <= time.time():
+    if key.expires_at is not None and key.expires_at <= CLOCK.time():
         return _error(errors.unauthorized("This API key has expired."))
     project = gw.accounts.projects[key.project_id]
+    limits = gw.admission.state(key, gw.accounts.org(key.org_id))
+    spendable = limits.pop("spendable_nano")
     return _json(
         {
             "id": key.id,
@@ -94,6 +96,11 @@ async def key_info(request: Request) -> Response:
             "spend_limit": None if key.spend_limit_nano is None else nano_to_usd_str(key.spend_limit_nano),
             "expires_at": None if key.expires_at is None else int(key.expires_at),
             "spend": nano_to_usd_str(key.spend_nano),
+            "spend_reset": key.spend_reset,
+            "period_spend": nano_to_usd_str(key.period_spend_nano),
+            # What the caller can still spend: the smallest of key limit, budget and credits left.
+            "spendable": nano_to_usd_str(spendable),  # type: ignore[arg-type]
+            "rate_limits": limits,
         }
     )
 
@@ -166,6 +173,7 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         Route("/v1/key", key_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         *admin.routes,
+        *(admin.test_routes if settings.test_clock else []),
     ]
     return Starlette(
         routes=routes,

@@ -29,6 +29,7 @@ from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
 from kiln.core import errors
 from kiln.core.accounts import Accounts
+from kiln.core.clock import CLOCK
 from kiln.core.admission import Admission, Demand, Ticket
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
@@ -53,7 +54,7 @@ class Maintenance:
 
     @property
     def active(self) -> bool:
-        return self.until is not None and self.until > time.time()
+        return self.until is not None and self.until > CLOCK.time()
 
     def error(self) -> GatewayError:
         assert self.until is not None
@@ -288,7 +289,7 @@ class Gateway:
         u = tr.usage
         event = UsageEvent(
             id=call.generation_id,
-            created_at=time.time(),
+            created_at=CLOCK.time(),
             org_id=call.key.org_id,
             project_id=call.key.project_id,
             key_id=call.key.id,

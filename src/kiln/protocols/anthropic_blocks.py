@@ -1,0 +1,155 @@
+"""Anthropic content blocks built from chat-completions output, with their SSE events.
+
+One state machine serves both response forms: a stream feeds it deltas as
+they arrive and sends the events it produces; a JSON response feeds it the
+whole message at once and reads `content()`. So both forms agree on which
+blocks exist and in what order (protocols.md §4.3, §5.6):
+
+- one block open at a time; indexes contiguous from 0 in start order;
+- a thinking block only when the client asked for thinking, closed by a
+  `signature_delta` (an opaque value: the backend signs nothing, clients
+  echo it back and Kiln ignores it);
+- a text block only once visible text arrives (whitespace before a tool call
+  makes no empty block);
+- a tool_use block only once its name is known; argument fragments go out
+  as `input_json_delta`, verbatim, and backend tool-call ids pass through
+  unchanged (some chat templates need their own id format back).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+log = logging.getLogger("kiln.messages")
+
+
+def frame(event: str, data: dict[str, Any]) -> bytes:
+    """One SSE event with its `event:` line (the Anthropic SDKs dispatch on it)."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+def new_id(prefix: str) -> str:
+    return prefix + os.urandom(12).hex()
+
+
+@dataclass(slots=True)
+class _Tool:
+    id: str = ""
+    name: str = ""
+    index: int | None = None  # the Anthropic block index, once started
+    pending: str = ""  # argument text that arrived before the name
+
+
+class Blocks:
+    def __init__(self, thinking: bool, single_tool_call: bool = False) -> None:
+        self.thinking = thinking
+        self.single_tool_call = single_tool_call  # keep only the first call (the model cannot be told)
+        self.blocks: list[dict[str, Any]] = []
+        self.arguments: dict[int, str] = {}  # tool_use block index -> argument JSON text
+        self._open: str | None = None  # "thinking", "text" or "tool"
+        self._tools: dict[int, _Tool] = {}  # by the backend's tool-call index
+        self._held = ""  # whitespace not yet in a block
+        self._signature = new_id("kiln-sig-")
+        self._out: list[bytes] = []
+
+    @property
+    def has_tool_use(self) -> bool:
+        return bool(self.arguments)
+
+    def take(self) -> bytes:
+        """The events produced since the last call."""
+        out, self._out = b"".join(self._out), []
+        return out
+
+    def reasoning(self, text: str) -> None:
+        if not self.thinking or not text:
+            return
+        if self._open != "thinking":
+            self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        self.blocks[-1]["thinking"] += text
+        self._delta({"type": "thinking_delta", "thinking": text})
+
+    def text(self, text: str) -> None:
+        if not text:
+            return
+        if self._open != "text":
+            text = self._held + text
+            if not text.strip():
+                self._held = text
+                return
+            self._held = ""
+            self._start("text", {"type": "text", "text": ""})
+        self.blocks[-1]["text"] += text
+        self._delta({"type": "text_delta", "text": text})
+
+    def tool_call(self, entry: dict[str, Any]) -> None:
+        """One `tool_calls` delta entry (several may share an index; the name may come first)."""
+        position = entry.get("index", 0)
+        if self.single_tool_call and position != 0:
+            return
+        tool = self._tools.setdefault(position, _Tool())
+        tool.id = tool.id or str(entry.get("id") or "")
+        fn = entry.get("function") or {}
+        tool.name = tool.name or str(fn.get("name") or "")
+        tool.pending += fn.get("arguments") or ""
+        if tool.index is None:
+            if not tool.name:
+                return
+            self._start("tool", {"type": "tool_use", "id": tool.id or new_id("toolu_"), "name": tool.name, "input": {}})
+            tool.index = len(self.blocks) - 1
+            self.arguments[tool.index] = ""
+        if tool.pending:
+            # Backends send one call after another; a late fragment still goes to its own block.
+            self.arguments[tool.index] += tool.pending
+            self._delta({"type": "input_json_delta", "partial_json": tool.pending}, tool.index)
+            tool.pending = ""
+
+    def close(self) -> None:
+        if self._open is None:
+            return
+        index = len(self.blocks) - 1
+        if self._open == "thinking":
+            self.blocks[index]["signature"] = self._signature
+            self._delta({"type": "signature_delta", "signature": self._signature})
+        self._out.append(frame("content_block_stop", {"type": "content_block_stop", "index": index}))
+        self._open = None
+
+    def content(self) -> list[dict[str, Any]]:
+        """The finished blocks as a Messages response carries them (tool input parsed)."""
+        self.close()
+        out = []
+        for index, block in enumerate(self.blocks):
+            if block["type"] == "tool_use":
+                block = {**block, "input": _parse_input(self.arguments[index], block["name"])}
+            out.append(block)
+        return out
+
+    def _start(self, kind: str, block: dict[str, Any]) -> None:
+        self.close()
+        self._open = kind
+        self.blocks.append(block)
+        start = {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": block}
+        self._out.append(frame("content_block_start", start))
+
+    def _delta(self, delta: dict[str, Any], index: int | None = None) -> None:
+        at = len(self.blocks) - 1 if index is None else index
+        self._out.append(frame("content_block_delta", {"type": "content_block_delta", "index": at, "delta": delta}))
+
+
+def _parse_input(arguments: str, name: str) -> dict[str, Any]:
+    """Tool arguments as the object Anthropic clients expect; {} if the model produced no valid object."""
+    if not arguments.strip():
+        return {}
+    try:
+        value = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        value = None
+    if isinstance(value, dict):
+        return value
+    log.warning("tool call %s had arguments that are not a JSON object; sent as {}", name)
+    return {}
