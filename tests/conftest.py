@@ -145,14 +145,14 @@ class Gateway:
             base_url=self.url + "/admin/v1", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
         )
 
-    def new_key(self, credits: str = "10", **org_fields: Any) -> "Tenant":
+    def new_key(self, credits: str = "10", key_fields: dict[str, Any] | None = None, **org_fields: Any) -> "Tenant":
         """A fresh organisation, project and key: tests never share balances."""
         name = f"org-{time.monotonic_ns()}"
         org = self.admin.post("/orgs", json={"name": name, "credits": credits, **org_fields})
         assert org.status_code == 201, org.text
         project = self.admin.post("/projects", json={"org_id": org.json()["id"], "name": "p"})
         assert project.status_code == 201, project.text
-        key = self.admin.post("/keys", json={"project_id": project.json()["id"], "name": "k"})
+        key = self.admin.post("/keys", json={"project_id": project.json()["id"], "name": "k", **(key_fields or {})})
         assert key.status_code == 201, key.text
         return Tenant(self, org.json()["id"], project.json()["id"], key.json()["id"], key.json()["key"])
 

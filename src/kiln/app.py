@@ -32,6 +32,8 @@ from kiln.core.money import nano_to_usd_str
 from kiln.pipeline import Gateway
 from kiln.protocols.base import openai_error
 from kiln.protocols.chat import ChatTranslator
+from kiln.protocols.count_tokens import count_tokens
+from kiln.protocols.messages import MessagesTranslator
 from kiln.router import Router
 from kiln.store import make_store
 from kiln.upstream import Upstream
@@ -52,6 +54,10 @@ def _error(err: GatewayError) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     return await request.app.state.gateway.handle(request, ChatTranslator)  # type: ignore[no-any-return]
+
+
+async def messages(request: Request) -> Response:
+    return await request.app.state.gateway.handle(request, MessagesTranslator)  # type: ignore[no-any-return]
 
 
 async def list_models(request: Request) -> Response:
@@ -169,6 +175,8 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/messages", messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/key", key_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

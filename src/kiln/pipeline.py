@@ -247,10 +247,11 @@ class Gateway:
                         frames.append(tr.chunk(payload))
                         if tr.done:
                             break
-                    if tr.chunks >= call.ticket.output_tokens and not tr.done and not self._extend(call):
-                        # The money left covers no more output: end cleanly, as if at max_tokens.
-                        frames.append(tr.truncate(BUDGET_NOTE))
-                        tr.done = True
+                        if tr.chunks >= call.ticket.output_tokens and not self._extend(call):
+                            # The money left covers no more output: end cleanly, as if at max_tokens.
+                            frames.append(tr.truncate(BUDGET_NOTE))
+                            tr.done = True
+                            break
                     out = b"".join(frames)
                     if out:
                         if call.ttft_ms is None:

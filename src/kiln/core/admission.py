@@ -14,9 +14,11 @@ the reservation as they go; when it cannot be extended the gateway ends the
 generation cleanly with a "length" finish. A non-streaming request reserves
 its whole output, capped to what the money left covers (its max_tokens is
 lowered to match). Settling releases the reservation and charges the real
-cost. So spend passes a limit only by what a stream receives in its last
-network read after its reservation ran out: at most one upstream read per
-in-flight stream (usually one token), which is the documented bound.
+cost. A stream is cut at the chunk that uses up its reservation, and a cut
+stream is billed for the chunks it delivered (about one token each on vLLM;
+the prompt by the backend's tokenizer). So spend passes a limit only when a
+chunk carries more than one token: the documented bound is the tokens of one
+chunk per stream in flight (a handful at most, e.g. with speculative decoding).
 
 This is the in-process implementation. A Redis implementation for several
 replicas provides the same four calls (admit, extend, settle, state) as

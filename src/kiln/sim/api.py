@@ -10,6 +10,7 @@ Per-request control object, body key ``"sim"`` (all keys optional; never part of
     reply_tokens: int       length of the default pseudo-random reply
     reasoning: str          exact reasoning text (emitted even for non-reasoning models)
     tool_calls: [{"name": str, "arguments": object | str}]   emit these calls instead of text
+                            ([]: no call, even where the model would call one by default)
     status: int             answer with this status + vLLM error body (500 without
                             error_message: plain text "Internal Server Error")
     error_message: str      message for status / error_after / non-stream error_after
@@ -51,7 +52,7 @@ def _requested_calls(
     calls: list[generate.ToolCall] = []
     forced = sim.get("tool_calls")
     tools = body.get("tools") or []
-    if isinstance(forced, list) and forced:
+    if isinstance(forced, list):
         for c in forced:
             if isinstance(c, dict) and isinstance(c.get("name"), str):
                 calls.append(generate.make_tool_call(c["name"], c.get("arguments", {})))
@@ -67,6 +68,18 @@ def _requested_calls(
     if body.get("parallel_tool_calls") is False:
         calls = calls[:1]
     return calls, named
+
+
+def _scripted(messages: list[Any], rules: list[dict[str, Any]]) -> dict[str, Any]:
+    """The `sim` of the first rule whose `when` occurs in the latest turn (after the last assistant message)."""
+    turn = []
+    for msg in reversed(messages):
+        if msg.get("role") == "assistant":
+            break
+        if msg.get("role") != "system":
+            turn.append(tokenizer.content_text(msg.get("content")))
+    text = "\n".join(turn)
+    return next((dict(r["sim"]) for r in rules if r["when"] in text), {})
 
 
 async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.StreamResponse:
@@ -92,6 +105,8 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> we
     except ValueError as exc:
         return srv.invalid(Invalid(str(exc)))
     ids = tokenizer.encode(prompt)
+    if not sim and s.rules:
+        sim = _scripted(messages, s.rules)
     requested = body.get("max_completion_tokens")
     if requested is None:
         requested = body.get("max_tokens")

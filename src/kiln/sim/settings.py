@@ -30,6 +30,9 @@ class SimSettings:
     legacy_length_check: bool = False
     no_prompt_tokens_details: bool = False
     api_key: str | None = None
+    # [{"when": str, "sim": {...}}]: a request without its own `sim` object whose latest turn
+    # contains `when` behaves as if it carried that `sim` (drives clients that cannot send one)
+    rules: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able view, returned by /sim/config."""
@@ -80,11 +83,23 @@ def _coerce(name: str, value: Any) -> Any:
         if value not in ("reasoning", "reasoning_content"):
             raise ValueError("`reasoning_field` must be 'reasoning' or 'reasoning_content'")
         return value
+    if name == "rules":
+        return _rules(value)
     if name == "api_key":
         if value is not None and not isinstance(value, str):
             raise ValueError("`api_key` must be a string or null")
         return value or None
     return value
+
+
+def _rules(value: Any) -> list[dict[str, Any]]:
+    """Check a `rules` list: objects with a non-empty string `when` and an object `sim`."""
+    if not isinstance(value, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("when"), str) and r["when"] and isinstance(r.get("sim"), dict)
+        for r in value
+    ):
+        raise ValueError('`rules` must be a list of {"when": "text", "sim": {...}} objects')
+    return [{"when": r["when"], "sim": r["sim"]} for r in value]
 
 
 def split_names(value: Any) -> list[str]:
