@@ -24,7 +24,7 @@ from kiln.config import Settings
 from kiln.core import errors
 from kiln.core.accounts import Accounts
 from kiln.core.clock import CLOCK
-from kiln.core.admission import Admission
+from kiln.core.admission import MemoryAdmission
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token, hash_key
 from kiln.core.ledger import Ledger
@@ -159,7 +159,7 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         router = Router(catalog, upstream, settings.backend_retry_s)
         await router.probe_all()
         await router.start()
-        gateway = Gateway(settings, catalog, accounts, Admission(settings.limits), ledger, upstream, router)
+        gateway = Gateway(settings, catalog, accounts, MemoryAdmission(settings.limits), ledger, upstream, router)
         app.state.gateway = gateway
         if on_ready is not None:
             result = on_ready(gateway)

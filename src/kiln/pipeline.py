@@ -30,7 +30,7 @@ from kiln.config import Settings
 from kiln.core import errors
 from kiln.core.accounts import Accounts
 from kiln.core.clock import CLOCK
-from kiln.core.admission import Admission, Demand, Ticket
+from kiln.core.admission import AdmissionControl, Demand, Ticket
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
 from kiln.core.ledger import Ledger, new_generation_id
@@ -82,7 +82,7 @@ class Gateway:
         settings: Settings,
         catalog: Catalog,
         accounts: Accounts,
-        admission: Admission,
+        admission: AdmissionControl,
         ledger: Ledger,
         upstream: Upstream,
         router: Router,
@@ -345,12 +345,13 @@ class Gateway:
 
 
 def _demand(tr: Translator, body: dict[str, Any], body_bytes: int) -> Demand:
-    """The most a request can cost: one prompt token per body byte, its output cap."""
+    """The most a request can cost: one prompt token per body byte (no more than the
+    context window holds), and its output cap."""
     prices = tr.model.prices
     asked = body.get("max_tokens") or body.get("max_completion_tokens")
     max_output = min(asked, tr.model.max_output_tokens) if isinstance(asked, int) else tr.model.max_output_tokens
     return Demand(
-        prompt_tokens_max=body_bytes,
+        prompt_tokens_max=min(body_bytes, tr.model.context_window),
         input_nano_per_token=prices.input * 1000,
         output_nano_per_token=prices.output * 1000,
         max_output_tokens=max_output,

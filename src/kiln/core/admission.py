@@ -31,6 +31,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Protocol
 
 from kiln.config import Limits
 from kiln.core import errors
@@ -95,7 +96,19 @@ class _State:
     tokens: _Window = field(default_factory=_Window)
 
 
-class Admission:
+class AdmissionControl(Protocol):
+    """What the pipeline needs; MemoryAdmission here, a Redis one for several replicas."""
+
+    def admit(self, key: ApiKey, org: Org, demand: Demand) -> Ticket: ...
+    def extend(self, ticket: Ticket, key: ApiKey, org: Org, tokens: int = OUTPUT_BLOCK) -> int: ...
+    def settle(self, ticket: Ticket, tokens: int = 0) -> None: ...
+    def state(self, key: ApiKey, org: Org) -> dict[str, object]: ...
+    def in_flight(self, org_id: str) -> int: ...
+
+
+class MemoryAdmission:
+    """In-process admission: exact for one gateway process."""
+
     def __init__(self, defaults: Limits) -> None:
         self.defaults = defaults
         self._orgs: dict[str, _State] = {}
