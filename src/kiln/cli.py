@@ -197,12 +197,14 @@ def _admin_parser(sub: Any) -> None:
     kc.add_argument("--name", default="")
     kc.add_argument("--spend-limit")
     kc.add_argument("--expires-at", help="Unix time or ISO 8601")
+    _key_limit_args(kc)
     for verb in ("suspend", "reactivate", "revoke"):
         keys.add_parser(verb).add_argument("key_id")
     ks = keys.add_parser("set")
     ks.add_argument("key_id")
     ks.add_argument("--spend-limit")
     ks.add_argument("--expires-at")
+    _key_limit_args(ks)
 
     usage = what.add_parser("usage").add_subparsers(dest="verb", required=True)
     ul = usage.add_parser("list")
@@ -218,12 +220,19 @@ def _admin_parser(sub: Any) -> None:
     maint.add_parser("off")
 
 
+def _key_limit_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--spend-reset", choices=["never", "daily", "weekly", "monthly"])
+    for limit in ("--rpm-limit", "--tpm-limit", "--concurrency-limit"):
+        parser.add_argument(limit, type=int)
+
+
 def admin_command(args: argparse.Namespace) -> None:
     if not args.admin_key:
         raise SystemExit("kiln admin: set KILN_ADMIN_KEY or pass --admin-key")
     w, v = args.what, args.verb
     limits = {n: getattr(args, n, None) for n in ("rpm_limit", "tpm_limit", "concurrency_limit")}
     limits = {k: val for k, val in limits.items() if val is not None}
+    key_limits = {**limits, **({"spend_reset": args.spend_reset} if getattr(args, "spend_reset", None) else {})}
     calls: dict[tuple[str, str], tuple[str, str, dict[str, Any] | None]] = {
         ("orgs", "list"): ("GET", "/orgs", None),
         ("orgs", "create"): ("POST", "/orgs", {"name": getattr(args, "name", None), "credits": getattr(args, "credits", None),
@@ -241,11 +250,12 @@ def admin_command(args: argparse.Namespace) -> None:
         ("keys", "create"): ("POST", "/keys", {"project_id": getattr(args, "project_id", None),
                                                "name": getattr(args, "name", ""),
                                                "spend_limit": getattr(args, "spend_limit", None),
-                                               "expires_at": _when(getattr(args, "expires_at", None))}),
+                                               "expires_at": _when(getattr(args, "expires_at", None)),
+                                               **key_limits}),
         ("keys", "set"): ("PATCH", f"/keys/{getattr(args, 'key_id', '')}",
-                          {k: val for k, val in (("spend_limit", getattr(args, "spend_limit", None)),
-                                                 ("expires_at", _when(getattr(args, "expires_at", None))))
-                           if val is not None}),
+                          {**{k: val for k, val in (("spend_limit", getattr(args, "spend_limit", None)),
+                                                    ("expires_at", _when(getattr(args, "expires_at", None))))
+                              if val is not None}, **key_limits}),
         ("usage", "list"): ("GET", "/usage" + _query(org_id=getattr(args, "org_id", None),
                                                      key_id=getattr(args, "key_id", None),
                                                      limit=getattr(args, "limit", None)), None),
