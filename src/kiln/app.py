@@ -32,8 +32,10 @@ from kiln.core.money import nano_to_usd_str
 from kiln.pipeline import Gateway
 from kiln.protocols.base import openai_error
 from kiln.protocols.chat import ChatTranslator
+from kiln.protocols.completions import CompletionsTranslator
 from kiln.protocols.count_tokens import count_tokens
 from kiln.protocols.messages import MessagesTranslator
+from kiln.protocols.responses import responses_protocol
 from kiln.router import Router
 from kiln.store import make_store
 from kiln.upstream import Upstream
@@ -56,6 +58,15 @@ async def chat_completions(request: Request) -> Response:
     return await request.app.state.gateway.handle(request, ChatTranslator)  # type: ignore[no-any-return]
 
 
+async def completions(request: Request) -> Response:
+    return await request.app.state.gateway.handle(request, CompletionsTranslator)  # type: ignore[no-any-return]
+
+
+async def responses(request: Request) -> Response:
+    gw: Gateway = request.app.state.gateway
+    return await gw.handle(request, responses_protocol(gw.settings))  # type: ignore[return-value]
+
+
 async def messages(request: Request) -> Response:
     return await request.app.state.gateway.handle(request, MessagesTranslator)  # type: ignore[no-any-return]
 
@@ -66,13 +77,13 @@ async def list_models(request: Request) -> Response:
         gw.authenticate(request)
     except GatewayError as err:
         return _error(err)
-    data = []
+    data, codex = [], []  # the OpenAI list, and beside it the catalog Codex reads
     for model in gw.catalog.available():
         entry = model.listing()
-        data.append(entry)
-        for alias in model.aliases:
-            data.append({**entry, "id": alias, "alias_of": model.id})
-    return _json({"object": "list", "data": data})
+        for name in (model.id, *model.aliases):
+            data.append(entry if name == model.id else {**entry, "id": name, "alias_of": model.id})
+            codex.append(model.codex_listing(name, len(codex)))
+    return _json({"object": "list", "data": data, "models": codex})
 
 
 async def key_info(request: Request) -> Response:
@@ -175,6 +186,8 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
 
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/messages", messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),

@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 from kiln.core.money import Prices
 
 TOOL_CHOICE_MODES = ("auto", "none", "required", "named")
+# Codex takes a catalog entry's instructions as its system prompt and drops an entry without them.
+CODEX_INSTRUCTIONS = """You are a coding agent working in the user's terminal through Codex CLI. \
+The model behind you is self-hosted and served by Kiln.
+
+- Work in the current workspace. Inspect files and run commands with the shell tool; prefer fast tools such as `rg`.
+- Edit files with the `apply_patch` tool: a patch starts with `*** Begin Patch`, adds, deletes or updates files, \
+and ends with `*** End Patch`.
+- Make the smallest change that solves the task, keep the existing style, and verify it (tests, builds) when you can.
+- Never run destructive commands (such as `git reset --hard`, or deleting files you did not create) unless asked.
+- When you are done, reply with a short summary of what you changed and what is left to do."""
 
 
 @dataclass(slots=True)
@@ -89,6 +99,56 @@ class Model:
                 "unit": "USD per 1M tokens",
             },
             "simulated": self.simulated,
+        }
+
+    def codex_listing(self, slug: str, priority: int) -> dict[str, object]:
+        """Codex's `ModelInfo` for this model under `slug`, for the `models` array of `GET /v1/models`.
+
+        Codex (with `model_catalog_url`) reads `{"models": [ModelInfo]}`; for a
+        slug missing there it assumes a 272k context (so it never compacts in
+        time for a 32k model), no reasoning levels and no freeform apply_patch.
+        Field names and values follow the catalog bundled in codex-cli 0.171.0,
+        which rejects an entry without instructions.
+        """
+        caps = self.capabilities
+        levels = ("low", "medium", "high") if caps.reasoning else ()
+        return {
+            "slug": slug,
+            "display_name": slug,
+            "description": f"{self.id} via Kiln" + (" (simulated)" if self.simulated else ""),
+            "default_reasoning_level": "medium" if levels else None,
+            "supported_reasoning_levels": [{"effort": e, "description": f"{e} reasoning effort"} for e in levels],
+            "shell_type": "shell_command",
+            "visibility": "list",
+            "supported_in_api": True,
+            "priority": priority,
+            "base_instructions": CODEX_INSTRUCTIONS,
+            "availability_nux": None,
+            "upgrade": None,
+            "additional_speed_tiers": [],
+            "service_tiers": [],
+            "default_service_tier": None,
+            "supports_reasoning_summaries": caps.reasoning,
+            "supports_reasoning_summary_parameter": caps.reasoning,
+            "default_reasoning_summary": "none",
+            "support_verbosity": False,
+            "default_verbosity": None,
+            "apply_patch_tool_type": "freeform",
+            "web_search_tool_type": "text",
+            "truncation_policy": {"mode": "tokens", "limit": 10000},
+            "supports_parallel_tool_calls": caps.parallel_tool_calls,
+            "supports_image_detail_original": False,
+            "context_window": self.context_window,
+            "max_context_window": self.context_window,
+            "auto_compact_token_limit": None,
+            "effective_context_window_percent": 95,
+            "experimental_supported_tools": [],
+            "input_modalities": ["text", "image"] if caps.image_input else ["text"],
+            "supports_search_tool": False,
+            "use_responses_lite": False,
+            "include_skills_usage_instructions": True,
+            "tool_mode": None,
+            "multi_agent_version": None,
         }
 
 

@@ -55,6 +55,7 @@ class Settings:
     models: list[dict[str, Any]] = field(default_factory=list)  # validated model tables
     demo: bool = False  # no models configured: serve the simulated demo model
     admin_key: str | None = None  # from KILN_ADMIN_KEY
+    reasoning_secret: str | None = None  # from KILN_REASONING_SECRET: replicas share Responses reasoning blobs
     test_clock: bool = False  # KILN_TEST_CLOCK=1: POST /admin/v1/clock moves time (tests only)
 
     @property
@@ -123,6 +124,7 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
     if settings.database and not settings.database.startswith(("sqlite:///", "postgres://", "postgresql://")):
         problems.append(f"server.database: expected sqlite:///PATH or postgresql://..., got {settings.database!r}")
     settings.admin_key = env.get("KILN_ADMIN_KEY") or None
+    settings.reasoning_secret = env.get("KILN_REASONING_SECRET") or None
     settings.test_clock = env.get("KILN_TEST_CLOCK") == "1"
     models = raw.get("models", [])
     if not isinstance(models, list):

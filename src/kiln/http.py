@@ -43,17 +43,19 @@ async def wait_disconnect(receive: Receive) -> None:
 class StreamResponse:
     """An SSE response driven by a producer coroutine that writes frames.
 
-    A timer task writes `keepalive` whenever nothing was sent for
+    A timer task writes `keepalive()` whenever nothing was sent for
     `keepalive_s`, so one task per stream keeps idle connections open with no
-    per-chunk cost. If the client disconnects, the producer is cancelled; its
-    own cleanup cancels the upstream request and meters what was generated.
+    per-chunk cost. It is called each time because some protocols' keepalives
+    are numbered events (Responses: `sequence_number`), not a fixed comment.
+    If the client disconnects, the producer is cancelled; its own cleanup
+    cancels the upstream request and meters what was generated.
     """
 
     def __init__(
         self,
         produce: Callable[[Write], Awaitable[None]],
         headers: dict[str, str],
-        keepalive: bytes,
+        keepalive: Callable[[], bytes],
         keepalive_s: float,
         first: bytes = b"",
     ) -> None:
@@ -81,7 +83,7 @@ class StreamResponse:
             while True:
                 await asyncio.sleep(max(self.keepalive_s - (time.monotonic() - last), 0.01))
                 if time.monotonic() - last >= self.keepalive_s:
-                    await write(self.keepalive)
+                    await write(self.keepalive())
 
         producer = asyncio.ensure_future(self.produce(write))
         watcher = asyncio.ensure_future(wait_disconnect(receive))

@@ -228,7 +228,7 @@ class Gateway:
         return StreamResponse(
             produce,
             {GENERATION_HEADER: call.generation_id},
-            call.tr.keepalive(),
+            call.tr.keepalive,
             self.settings.keepalive_s,
             first,
         )
@@ -244,7 +244,11 @@ class Gateway:
                     # One write for all that arrived in one read: far fewer syscalls under load.
                     frames = []
                     for payload in batch:
-                        frames.append(tr.chunk(payload))
+                        try:
+                            frames.append(tr.chunk(payload))
+                        except GatewayError:  # the backend's in-stream error: what came before it still goes out
+                            await write(b"".join(frames))
+                            raise
                         if tr.done:
                             break
                         if tr.chunks >= call.ticket.output_tokens and not self._extend(call):

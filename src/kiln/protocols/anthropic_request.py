@@ -57,10 +57,11 @@ def build_chat(body: dict[str, Any], model: Model) -> tuple[dict[str, Any], bool
                 raise errors.invalid(f"'{name}' must be a number.", param=name)
             chat[name] = value
     stops = body.get("stop_sequences")
-    if stops:
+    if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
             raise errors.invalid("'stop_sequences' must be an array of strings.", param="stop_sequences")
-        chat["stop"] = [s for s in stops if s]
+        if any(stops):
+            chat["stop"] = [s for s in stops if s]
     _output_format(chat, body.get("output_config"), model)
     return chat, _reasoning(chat, body, model)
 
@@ -109,7 +110,7 @@ def _messages(raw: Any, system: Any, model: Model) -> list[dict[str, Any]]:
             else:
                 lead.append(text)
         elif role == "user":
-            for converted in _user(content, where, model):
+            for converted in _user(content, model):
                 _append(out, converted)
         elif role == "assistant":
             seen_assistant = True
@@ -152,7 +153,7 @@ def _append(out: list[dict[str, Any]], msg: dict[str, Any]) -> None:
     if msg.get("tool_calls"):
         prev["tool_calls"] = prev.get("tool_calls", []) + msg["tool_calls"]
     if msg.get("reasoning"):
-        prev["reasoning"] = (prev.get("reasoning") or "") + msg["reasoning"]
+        prev["reasoning"] = "\n".join(filter(None, (prev.get("reasoning"), msg["reasoning"])))
 
 
 def _finish_content(msg: dict[str, Any]) -> None:
@@ -174,7 +175,7 @@ def _blocks(content: Any) -> list[dict[str, Any]]:
     return [b for b in content if isinstance(b, dict)]
 
 
-def _user(content: Any, where: str, model: Model) -> list[dict[str, Any]]:
+def _user(content: Any, model: Model) -> list[dict[str, Any]]:
     """One Anthropic user turn -> tool messages first, then one user message with the rest."""
     tools: list[dict[str, Any]] = []
     parts: list[Part] = []
@@ -197,7 +198,10 @@ def _tool_result(block: dict[str, Any], model: Model) -> tuple[str, list[Part]]:
     images: list[Part] = []
     for part in _blocks(content) if content is not None else ():
         for p in _content_part(part, model):
-            (texts.append(p["text"]) if p["type"] == "text" else images.append(p))
+            if p["type"] == "text":
+                texts.append(p["text"])
+            else:
+                images.append(p)
     text = "\n".join(texts)
     return ("Error: " + text if block.get("is_error") else text), images
 
@@ -235,7 +239,7 @@ def _image(source: Any, model: Model) -> Part:
 
 
 def _document(block: dict[str, Any], model: Model) -> list[Part]:
-    source = block.get("source") if isinstance(block.get("source"), dict) else {}
+    source: dict[str, Any] = block["source"] if isinstance(block.get("source"), dict) else {}
     title = block.get("title")
     head = f"{title}\n" if isinstance(title, str) and title else ""
     if source.get("type") == "text":
@@ -281,8 +285,9 @@ def _tool_references(messages: Any) -> set[str]:
     for msg in messages if isinstance(messages, list) else ():
         content = msg.get("content") if isinstance(msg, dict) else None
         for block in content if isinstance(content, list) else ():
-            if isinstance(block, dict) and block.get("type") == "tool_result" and isinstance(block.get("content"), list):
-                names.update(str(b.get("tool_name")) for b in block["content"]
+            inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+            if isinstance(inner, list):
+                names.update(str(b.get("tool_name")) for b in inner
                              if isinstance(b, dict) and b.get("type") == "tool_reference")
     return names
 
@@ -296,9 +301,12 @@ def _tools(raw: Any, referenced: set[str]) -> list[dict[str, Any]]:
     for i, tool in enumerate(raw):
         if not isinstance(tool, dict) or not isinstance(tool.get("name"), str) or not tool["name"]:
             raise errors.invalid(f"'tools[{i}]' needs a name.", param=f"tools[{i}]")
-        schema = tool.get("input_schema")
-        if tool.get("type") not in (None, "custom") or not isinstance(schema, dict):
+        if tool.get("type") not in (None, "custom"):
             continue  # a server or Anthropic-defined tool: the backend cannot run it
+        schema = tool.get("input_schema")
+        if not isinstance(schema, dict):
+            raise errors.invalid(f"'tools[{i}].input_schema' is required: a JSON Schema object.",
+                                 param=f"tools[{i}].input_schema")
         if tool.get("defer_loading") and tool["name"] not in referenced:
             continue
         fn: dict[str, Any] = {"name": tool["name"], "parameters": {k: v for k, v in schema.items() if k != "$schema"}}
@@ -332,15 +340,16 @@ def _tool_choice(chat: dict[str, Any], choice: Any, names: set[str], model: Mode
 
 def _reasoning(chat: dict[str, Any], body: dict[str, Any], model: Model) -> bool:
     """Set the backend's reasoning switch from `thinking`; True if the client wants thinking blocks."""
-    thinking = body.get("thinking")
-    kind = thinking.get("type") if isinstance(thinking, dict) else None
-    if thinking is not None and kind not in ("enabled", "adaptive", "disabled"):
+    raw = body.get("thinking")
+    thinking: dict[str, Any] = raw if isinstance(raw, dict) else {}
+    kind = thinking.get("type")
+    if raw is not None and kind not in ("enabled", "adaptive", "disabled"):
         raise errors.invalid("'thinking.type' must be enabled, adaptive or disabled.", param="thinking")
     wanted = kind in ("enabled", "adaptive")
     if not model.capabilities.reasoning:
         return wanted
     config = body.get("output_config")
-    effort = _EFFORTS.get(config.get("effort")) if isinstance(config, dict) else None
+    effort = _EFFORTS.get(str(config.get("effort"))) if isinstance(config, dict) else None
     if model.family == "gpt-oss":  # cannot be switched off; low is the least
         budget = thinking.get("budget_tokens") if kind == "enabled" else None
         if isinstance(budget, int) and effort is None:

@@ -180,7 +180,8 @@ class MessagesTranslator:
         event: dict[str, Any] = {"type": "message_delta", "delta": delta, "usage": self._usage()}
         if self._note:
             event["kiln_note"] = self._note
-        return head + self._blocks.take() + frame("message_delta", event) + frame("message_stop", {"type": "message_stop"})
+        end = frame("message_delta", event) + frame("message_stop", {"type": "message_stop"})
+        return head + self._blocks.take() + end
 
     def truncate(self, note: str) -> bytes:
         """The gateway ends the output (the money ran out): finish() reports max_tokens."""
@@ -195,8 +196,8 @@ class MessagesTranslator:
             return b""
         self._started = True
         usage = {**self._usage(), "output_tokens": 0}
-        message = {"id": self._id, "type": "message", "role": "assistant", "model": self._name, "content": [],
-                   "stop_reason": None, "stop_sequence": None, "usage": usage}
+        message: dict[str, Any] = {"id": self._id, "type": "message", "role": "assistant", "model": self._name,
+                                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
         return frame("message_start", {"type": "message_start", "message": message})
 
     # -- shared by both forms ----------------------------------------------
@@ -215,8 +216,8 @@ class MessagesTranslator:
                 if hit is not None:
                     self._stop_sequence, self._finish_reason, self.done = hit, "stop", True
             blocks.text(text)
-        for entry in message.get("tool_calls") or ():
-            blocks.tool_call(entry)
+        for position, entry in enumerate(message.get("tool_calls") or ()):
+            blocks.tool_call(entry if self.stream else {**entry, "index": position})  # JSON calls carry no index
         reason = choice.get("finish_reason")
         if reason and self._stop_sequence is None:
             self._finish_reason = reason

@@ -67,18 +67,21 @@ def reasoning_key(secret: str | None, data_dir: Path) -> bytes:
     if secret:
         return hashlib.sha256(b"kiln reasoning seal v1\0" + secret.encode()).digest()
     path = data_dir / KEY_FILE
-    try:
-        key = path.read_bytes()
-    except FileNotFoundError:
+    if not path.exists():
+        # Write aside, then link into place: concurrent starters agree on one key, and no
+        # reader ever sees a half-written file.
         data_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{KEY_FILE}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:  # another worker created it first
-            key = path.read_bytes()
-        else:
-            key = os.urandom(32)
-            with os.fdopen(fd, "wb") as f:
-                f.write(key)
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    key = path.read_bytes()
     if len(key) < 16:
         raise RuntimeError(f"{path} is too short to be a key; delete it to have a new one created")
     return key

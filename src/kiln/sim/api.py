@@ -21,6 +21,9 @@ Per-request control object, body key ``"sim"`` (all keys optional; never part of
                             counts); non-stream: close without any response
     error_after: int        stream: N events, then an in-band {"error":{...,"code":500}} and
                             [DONE]; non-stream: HTTP 500 with a vLLM JSON error body
+
+A request without a `sim` object gets one from the `rules` setting (/sim/config) when its
+latest turn contains a rule's `when` text: that is how tests drive clients that cannot send one.
 """
 
 from __future__ import annotations
@@ -70,14 +73,19 @@ def _requested_calls(
     return calls, named
 
 
-def _scripted(messages: list[Any], rules: list[dict[str, Any]]) -> dict[str, Any]:
+def _scripted(messages: Any, rules: list[dict[str, Any]]) -> dict[str, Any]:
     """The `sim` of the first rule whose `when` occurs in the latest turn (after the last assistant message)."""
+    if not rules or not isinstance(messages, list):
+        return {}
     turn = []
     for msg in reversed(messages):
-        if msg.get("role") == "assistant":
+        if not isinstance(msg, dict) or msg.get("role") == "assistant":
             break
         if msg.get("role") != "system":
-            turn.append(tokenizer.content_text(msg.get("content")))
+            try:
+                turn.append(tokenizer.content_text(msg.get("content")))
+            except ValueError:  # malformed: the schema checks answer it
+                break
     text = "\n".join(turn)
     return next((dict(r["sim"]) for r in rules if r["when"] in text), {})
 
@@ -87,7 +95,7 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> we
     body = await srv.read_body(request)
     if isinstance(body, web.Response):
         return body
-    sim = _sim_of(body)
+    sim = _sim_of(body) or _scripted(body.get("messages"), srv.settings.rules)
     if sim:
         early = await srv.pre_faults(request, sim, ctx)
         if early is not None:
@@ -105,8 +113,6 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> we
     except ValueError as exc:
         return srv.invalid(Invalid(str(exc)))
     ids = tokenizer.encode(prompt)
-    if not sim and s.rules:
-        sim = _scripted(messages, s.rules)
     requested = body.get("max_completion_tokens")
     if requested is None:
         requested = body.get("max_tokens")
@@ -182,6 +188,7 @@ async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.Str
     prefix = wire.completion_prefix(rid, created, model)
     choices: list[dict[str, Any]] = []
     events: list[bytes] = []
+    running: list[int] = []  # completion tokens so far, per event (continuous_usage_stats)
     n_prompt = n_completion = n_cached = 0
     for index, prompt in enumerate(prompts):
         if isinstance(prompt, str):
@@ -208,22 +215,28 @@ async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.Str
             lp = generate.completion_logprobs(plan.content, top, len(head)) if top is not None else None
             choices.append(wire.completion_choice(index, head + "".join(plan.content), lp, plan))
             continue
+        before = n_completion - plan.completion_tokens
         if head:
             events.append(wire.completion_event(prefix, _chunk(index, head, None)))
+            running.append(before)
         offset = len(head)
-        for piece in plan.content:
+        for k, piece in enumerate(plan.content, 1):
             lp = generate.completion_logprobs([piece], top, offset) if top is not None else None
             offset += len(piece)
             events.append(wire.completion_event(prefix, _chunk(index, piece, lp)))
+            running.append(min(before + k, n_completion))
         final = _chunk(index, "", None)
         final["finish_reason"], final["stop_reason"] = plan.finish_reason, plan.stop_reason
         events.append(wire.completion_event(prefix, final))
+        running.append(n_completion)
     usage = wire.usage_obj(n_prompt, n_completion, None if s.no_prompt_tokens_details else n_cached)
     n_gen = len(events)
     if not streaming:
         data = wire.completion_body(rid, created, model, choices, usage)
         return await srv.finish_plain(request, sim, ctx, data, n_completion)
     options = body.get("stream_options")
+    if isinstance(options, dict) and options.get("continuous_usage_stats") is True:
+        events = wire.with_completion_usage(events, running, n_prompt)
     if isinstance(options, dict) and options.get("include_usage") is True:
         events.append(wire.completion_usage_event(prefix, usage))
     events.append(wire.DONE)

@@ -251,6 +251,15 @@ def completion_usage_event(prefix: bytes, usage: dict[str, Any]) -> bytes:
     return prefix + b'[],"usage":' + _dumps(usage) + b"}\n\n"
 
 
+def with_completion_usage(events: list[bytes], running: list[int], prompt: int) -> list[bytes]:
+    """continuous_usage_stats on /v1/completions: cumulative usage on every choice event."""
+    return [
+        event[: -len(b"}\n\n")] + b',"usage":'
+        + _dumps({"prompt_tokens": prompt, "total_tokens": prompt + done, "completion_tokens": done}) + b"}\n\n"
+        for event, done in zip(events, running)
+    ]
+
+
 def stream_error_event(message: str) -> bytes:
     """The in-band error vLLM sends when generation fails mid-stream."""
     return b"data: " + _dumps(error_obj(500, message)) + b"\n\n"

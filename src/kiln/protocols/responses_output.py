@@ -1,0 +1,279 @@
+"""Chat-completion output -> Responses output items and stream events.
+
+One `Items` object builds the final items for both paths (JSON and SSE),
+so a streamed response ends with exactly the items a JSON one would hold.
+`EventStream` is the state machine of protocols.md 5.7: one item open at a
+time, `output_item.added` before any delta (Codex fails a turn on a text
+delta without an active item), every item closed with `output_item.done`
+(Codex builds its history only from those), `sequence_number` on every
+event, and a final `response.completed` / `.incomplete` / `.failed`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import orjson
+
+from kiln.protocols.responses_reasoning import ReasoningSeal
+
+log = logging.getLogger("kiln.responses")
+
+
+def new_id(prefix: str) -> str:
+    return prefix + os.urandom(12).hex()
+
+
+@dataclass
+class Items:
+    """Final-form output items, shaped by what the request asked for."""
+
+    custom_tools: frozenset[str]
+    seal: ReasoningSeal | None  # set when the client asked for reasoning.encrypted_content
+    summary: bool
+
+    def reasoning(self, item_id: str, text: str) -> dict[str, Any]:
+        return {
+            "type": "reasoning",
+            "id": item_id,
+            "summary": [{"type": "summary_text", "text": text}] if self.summary else [],
+            "content": [{"type": "reasoning_text", "text": text}],
+            "encrypted_content": self.seal.seal(text) if self.seal is not None else None,
+        }
+
+    @staticmethod
+    def message(item_id: str, text: str) -> dict[str, Any]:
+        return {
+            "type": "message", "id": item_id, "status": "completed", "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}],
+        }
+
+    def tool_call(self, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+        if name in self.custom_tools:
+            return {"type": "custom_tool_call", "id": new_id("ctc_"), "status": "completed",
+                    "call_id": call_id, "name": name, "input": custom_input(arguments)}
+        return {"type": "function_call", "id": new_id("fc_"), "status": "completed",
+                "call_id": call_id, "name": name, "arguments": arguments}
+
+    def from_message(self, message: dict[str, Any], single_tool_call: bool) -> list[dict[str, Any]]:
+        """Items of a non-streamed chat message, in the order reasoning, text, tool calls."""
+        items = []
+        thought = message.get("reasoning") or message.get("reasoning_content")
+        if isinstance(thought, str) and thought:
+            items.append(self.reasoning(new_id("rs_"), thought))
+        if isinstance(message.get("content"), str) and message["content"]:
+            items.append(self.message(new_id("msg_"), message["content"]))
+        calls = message.get("tool_calls") or []
+        for call in calls[:1] if single_tool_call else calls:
+            fn = call.get("function") or {}
+            args = fn.get("arguments")
+            args = args if isinstance(args, str) else orjson.dumps(args or {}).decode()
+            items.append(self.tool_call(call.get("id") or new_id("call_"), fn.get("name", ""), args))
+        return items
+
+
+def custom_input(arguments: str) -> str:
+    """The raw input of a freeform tool, unwrapped from the one-parameter function call."""
+    try:
+        args = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return arguments
+    if isinstance(args, dict):
+        if isinstance(args.get("input"), str):
+            return str(args["input"])
+        strings = [v for v in args.values() if isinstance(v, str)]
+        if len(strings) == 1:
+            return strings[0]
+    return arguments
+
+
+@dataclass
+class _Call:
+    """A tool call being streamed, keyed by its chat index."""
+
+    call_id: str = ""
+    name: str = ""
+    arguments: str = ""
+    item_id: str = ""
+    output_index: int = -1
+    closed: bool = False
+
+
+@dataclass
+class _Open:
+    kind: str  # "reasoning" | "message" | "function" | "custom"
+    item_id: str
+    output_index: int
+    text: list[str] = field(default_factory=list)
+    call: _Call | None = None
+
+
+def sse(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class EventStream:
+    """Chat-completion stream chunks in, Responses events out."""
+
+    def __init__(self, items: Items, snapshot: Callable[..., dict[str, Any]], single_tool_call: bool) -> None:
+        self.items = items
+        self.snapshot = snapshot  # the response object, with overrides
+        self.single_tool_call = single_tool_call
+        self.seq = 0
+        self.started = False
+        self.output: list[dict[str, Any]] = []  # closed items, in output_index order
+        self.finish_reason: str | None = None
+        self._open: _Open | None = None
+        self._added = 0  # output indexes handed out
+        self._calls: dict[int, _Call] = {}
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return sse(kind, data)
+
+    def start(self) -> bytes:
+        """response.created + response.in_progress, once."""
+        if self.started:
+            return b""
+        self.started = True
+        return (self.event("response.created", response=self.snapshot())
+                + self.event("response.in_progress", response=self.snapshot()))
+
+    def keepalive(self) -> bytes:
+        """An event clients ignore but whose arrival resets Codex's stream idle timer."""
+        return self.start() or self.event("response.in_progress", response=self.snapshot())
+
+    def feed(self, choice: dict[str, Any]) -> bytes:
+        """One choice of a chat chunk."""
+        out = [self.start()]
+        delta = choice.get("delta") or {}
+        thought = delta.get("reasoning") or delta.get("reasoning_content")
+        if isinstance(thought, str) and thought:
+            out.append(self._text("reasoning", thought))
+        if isinstance(delta.get("content"), str) and delta["content"]:
+            out.append(self._text("message", delta["content"]))
+        for entry in delta.get("tool_calls") or ():
+            out.append(self._tool_delta(entry))
+        if choice.get("finish_reason") is not None:
+            self.finish_reason = choice["finish_reason"]
+        return b"".join(out)
+
+    def close(self) -> bytes:
+        """Close the item still open at the end of the generation."""
+        return self._close()
+
+    # -- items -------------------------------------------------------------
+
+    def _text(self, kind: str, delta: str) -> bytes:
+        out = b""
+        if self._open is None or self._open.kind != kind:
+            out = self._close() + self._add(kind)
+        assert self._open is not None
+        self._open.text.append(delta)
+        base = {"item_id": self._open.item_id, "output_index": self._open.output_index}
+        if kind == "message":
+            return out + self.event("response.output_text.delta", **base, content_index=0, delta=delta, logprobs=[])
+        out += self.event("response.reasoning_text.delta", **base, content_index=0, delta=delta)
+        if self.items.summary:
+            out += self.event("response.reasoning_summary_text.delta", **base, summary_index=0, delta=delta)
+        return out
+
+    def _add(self, kind: str) -> bytes:
+        item_id = new_id("rs_" if kind == "reasoning" else "msg_")
+        self._open = _Open(kind, item_id, self._added)
+        self._added += 1
+        base = {"item_id": item_id, "output_index": self._open.output_index}
+        if kind == "message":
+            item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+        else:
+            item = {"type": "reasoning", "id": item_id, "summary": [], "content": [], "encrypted_content": None}
+            part = {"type": "reasoning_text", "text": ""}
+        out = (self.event("response.output_item.added", output_index=self._open.output_index, item=item)
+               + self.event("response.content_part.added", **base, content_index=0, part=part))
+        if kind == "reasoning" and self.items.summary:
+            out += self.event("response.reasoning_summary_part.added", **base, summary_index=0,
+                              part={"type": "summary_text", "text": ""})
+        return out
+
+    def _tool_delta(self, entry: dict[str, Any]) -> bytes:
+        index = entry.get("index", 0)
+        if self.single_tool_call and index != 0:
+            return b""
+        call = self._calls.setdefault(index, _Call())
+        fn = entry.get("function") or {}
+        call.call_id = entry.get("id") or call.call_id
+        call.name = fn.get("name") or call.name
+        piece = fn.get("arguments") or ""
+        if call.closed:
+            if piece:
+                log.warning("dropped a late arguments fragment for tool call %s", call.call_id)
+            return b""
+        call.arguments += piece
+        if not call.name:
+            return b""  # id or arguments before the name: wait for it
+        out = b""
+        if self._open is None or self._open.call is not call:
+            out = self._close() + self._open_call(call)
+            piece = call.arguments  # everything buffered so far
+        if self._open is not None and self._open.kind == "function" and piece:
+            out += self.event("response.function_call_arguments.delta", item_id=call.item_id,
+                              output_index=call.output_index, delta=piece)
+        return out
+
+    def _open_call(self, call: _Call) -> bytes:
+        """Open a tool call; a custom tool's input is only known once its JSON is complete."""
+        call.call_id = call.call_id or new_id("call_")
+        call.output_index = self._added
+        self._added += 1
+        custom = call.name in self.items.custom_tools
+        call.item_id = new_id("ctc_" if custom else "fc_")
+        self._open = _Open("custom" if custom else "function", call.item_id, call.output_index, call=call)
+        if custom:
+            return b""
+        item = {"type": "function_call", "id": call.item_id, "status": "in_progress",
+                "call_id": call.call_id, "name": call.name, "arguments": ""}
+        return self.event("response.output_item.added", output_index=call.output_index, item=item)
+
+    def _close(self) -> bytes:
+        item = self._open
+        if item is None:
+            return b""
+        self._open = None
+        base = {"item_id": item.item_id, "output_index": item.output_index}
+        text = "".join(item.text)
+        out = b""
+        if item.kind == "message":
+            done = self.items.message(item.item_id, text)
+            part = done["content"][0]
+            out += (self.event("response.output_text.done", **base, content_index=0, text=text, logprobs=[])
+                    + self.event("response.content_part.done", **base, content_index=0, part=part))
+        elif item.kind == "reasoning":
+            done = self.items.reasoning(item.item_id, text)
+            out += (self.event("response.reasoning_text.done", **base, content_index=0, text=text)
+                    + self.event("response.content_part.done", **base, content_index=0,
+                                 part={"type": "reasoning_text", "text": text}))
+            if self.items.summary:
+                summary = {"type": "summary_text", "text": text}
+                out += (self.event("response.reasoning_summary_text.done", **base, summary_index=0, text=text)
+                        + self.event("response.reasoning_summary_part.done", **base, summary_index=0, part=summary))
+        else:
+            call = item.call
+            assert call is not None
+            call.closed = True
+            done = self.items.tool_call(call.call_id, call.name, call.arguments)
+            done["id"] = item.item_id
+            if item.kind == "custom":
+                added = {**done, "status": "in_progress", "input": ""}
+                out += (self.event("response.output_item.added", output_index=item.output_index, item=added)
+                        + self.event("response.custom_tool_call_input.delta", **base, delta=done["input"])
+                        + self.event("response.custom_tool_call_input.done", **base, input=done["input"]))
+            else:
+                out += self.event("response.function_call_arguments.done", **base, name=call.name,
+                                  arguments=call.arguments)
+        self.output.append(done)
+        return out + self.event("response.output_item.done", output_index=item.output_index, item=done)
