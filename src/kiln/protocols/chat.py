@@ -15,20 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from kiln.catalog import Backend, Catalog, Model
+from kiln.catalog import Catalog, Model
 from kiln.core import errors
-from kiln.core.errors import GatewayError
-from kiln.core.money import nano_to_usd_str
-from kiln.core.records import Usage
-from kiln.protocols.base import Reply, as_bool, openai_error, openai_stream_error
+from kiln.protocols.base import as_bool
+from kiln.protocols.openai_base import OpenAITranslator
 from kiln.protocols.stop import StopMatcher, cut_at_stop
-from kiln.upstream import in_stream_error
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 MAX_STOP_STRINGS = 16
-_DONE = b"data: [DONE]\n\n"
 
 
 def lookup_model(catalog: Catalog, body: dict[str, Any]) -> Model:
@@ -56,32 +50,16 @@ def parse_stop(value: Any) -> list[str]:
     return [s for s in stops if s]
 
 
-def cost_fragment(cost_nano: int) -> orjson.Fragment:
-    """usage.cost as an exact decimal JSON number (no float rounding)."""
-    return orjson.Fragment(nano_to_usd_str(cost_nano).encode())
-
-
-class ChatTranslator:
+class ChatTranslator(OpenAITranslator):
     endpoint = "chat.completions"
     upstream_path = "/chat/completions"
+    chunk_object = "chat.completion.chunk"
 
     def __init__(self, catalog: Catalog) -> None:
-        self.catalog = catalog
-        self.stream = False
-        self.include_usage = False
-        self.usage = Usage()
-        self.chunks = 0
-        self.done = False
+        super().__init__(catalog)
         self.stops: list[str] = []
         self.single_tool_call = False
-        self._body: dict[str, Any] = {}
-        self._data: dict[str, Any] = {}
         self._matchers: dict[int, StopMatcher] = {}
-        self._usage_chunk: dict[str, Any] | None = None
-        self._model_from = b""
-        self._model_to = b""
-        self._stream_id = ""  # of the chunks seen, for a usage chunk Kiln builds itself
-        self._created = 0
 
     # -- request ----------------------------------------------------------
 
@@ -90,21 +68,7 @@ class ChatTranslator:
             raise errors.invalid("The request body must be a JSON object.")
         self.model = model = lookup_model(self.catalog, body)
         _check_messages(body.get("messages"), model)
-
-        stream = as_bool(body.get("stream", False))
-        if stream is None:
-            raise errors.invalid("'stream' must be a boolean (true or false).", param="stream")
-        self.stream = body["stream"] = stream
-        options = body.get("stream_options")
-        if options is not None:
-            if not stream:
-                raise errors.invalid("'stream_options' is only allowed with 'stream': true.", param="stream_options")
-            if not isinstance(options, dict):
-                raise errors.invalid("'stream_options' must be an object.", param="stream_options")
-            self.include_usage = as_bool(options.get("include_usage", False)) is True
-        if stream:
-            body["stream_options"] = {**(options or {}), "include_usage": True}
-
+        stream = self._stream_options(body)
         _normalise_tools(body, model)
         if "parallel_tool_calls" in body and not model.capabilities.parallel_tool_calls:
             # The model cannot be told; Kiln keeps only the first call itself.
@@ -143,20 +107,10 @@ class ChatTranslator:
         self._body = body
         return body
 
-    def upstream_body(self, backend: Backend) -> bytes:
-        self._body["model"] = backend.model
-        if backend.model != self.model.id:
-            self._model_from = b'"model":' + orjson.dumps(backend.model)
-            self._model_to = b'"model":' + orjson.dumps(self.model.id)
-        return orjson.dumps(self._body)
-
     # -- JSON response ----------------------------------------------------
 
     def response(self, raw: bytes) -> None:
-        data = orjson.loads(raw)
-        if not isinstance(data, dict):
-            raise errors.bad_gateway("The model backend returned a malformed response.")
-        data["model"] = self.model.id
+        data = self._load_response(raw)
         for choice in data.get("choices") or ():
             message = choice.get("message") or {}
             if self.stops and isinstance(message.get("content"), str):
@@ -168,63 +122,15 @@ class ChatTranslator:
             calls = message.get("tool_calls")
             if self.single_tool_call and isinstance(calls, list) and len(calls) > 1:
                 message["tool_calls"] = calls[:1]
-        usage = data.get("usage")
-        if isinstance(usage, dict):
-            self.usage = Usage.from_openai(usage)
-        else:
-            data["usage"] = {}
-        self._data = data
-
-    def render(self, cost_nano: int) -> bytes:
-        usage = self._data["usage"]
-        if not usage:
-            u = self.usage
-            usage.update(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                         total_tokens=u.prompt_tokens + u.completion_tokens)
-        usage["cost"] = cost_fragment(cost_nano)
-        return orjson.dumps(self._data)
 
     # -- stream -----------------------------------------------------------
 
-    def chunk(self, payload: bytes) -> bytes:
-        if payload == b"[DONE]":
-            self.done = True
-            return b""
-        if payload.startswith(b'{"error"'):
-            raise in_stream_error(orjson.loads(payload))
-        if self.stops or self.single_tool_call:
-            return self._chunk_parsed(orjson.loads(payload))
-        if b'"usage"' in payload:
-            data = orjson.loads(payload)
-            if self._take_usage(data):
-                return b""
-        if not self.chunks:  # the first chunk names the stream (for chunks Kiln adds)
-            head = orjson.loads(payload)
-            self._stream_id, self._created = head.get("id", ""), head.get("created", 0)
-        self.chunks += 1
-        if self._model_from:
-            payload = payload.replace(self._model_from, self._model_to, 1)
-        return b"data: " + payload + b"\n\n"
-
-    def _take_usage(self, data: dict[str, Any]) -> bool:
-        """Record usage from a chunk; True if the chunk is the usage-only chunk."""
-        usage = data.get("usage")
-        if isinstance(usage, dict):
-            self.usage = Usage.from_openai(usage)
-            if not data.get("choices"):
-                self._usage_chunk = data
-                return True
-        return False
+    def _parse_chunks(self) -> bool:
+        return bool(self.stops) or self.single_tool_call
 
     def _chunk_parsed(self, data: dict[str, Any]) -> bytes:
-        if self._take_usage(data):
-            return b""
-        data.pop("usage", None)
-        data["model"] = self.model.id
-        out = b""
+        """Stop strings and a single tool call, enforced inside the chunk."""
         keep: list[dict[str, Any]] = []
-        self._stream_id = data.get("id", self._stream_id)
-        self._created = data.get("created", self._created)
         for choice in data.get("choices") or ():
             delta = choice.get("delta")
             if not isinstance(delta, dict):
@@ -248,43 +154,10 @@ class ChatTranslator:
                 keep.append(choice)
         if self.stops and self._matchers and all(m.matched is not None for m in self._matchers.values()):
             self.done = True
-        if keep or not data.get("choices"):
-            self.chunks += 1
-            data["choices"] = keep
-            out = b"data: " + orjson.dumps(data) + b"\n\n"
-        return out
-
-    def finish(self, cost_nano: int) -> bytes:
-        if not self.include_usage:
-            return _DONE
-        u = self.usage
-        chunk = self._usage_chunk or {
-            "id": self._stream_id, "object": "chat.completion.chunk", "created": self._created, "choices": []
-        }
-        chunk["model"] = self.model.id
-        usage = chunk.setdefault("usage", {})
-        if not usage or not u.exact:
-            usage.update(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens,
-                         total_tokens=u.prompt_tokens + u.completion_tokens)
-        usage["cost"] = cost_fragment(cost_nano)
-        return b"data: " + orjson.dumps(chunk) + b"\n\n" + _DONE
+        return self._emit(data, keep)
 
     def truncate(self, note: str) -> bytes:
-        chunk = {
-            "id": self._stream_id, "object": "chat.completion.chunk", "created": self._created,
-            "model": self.model.id, "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
-            "kiln_note": note,
-        }
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    def keepalive(self) -> bytes:
-        return b": keepalive\n\n"
-
-    def error(self, err: GatewayError) -> Reply:
-        return openai_error(err)
-
-    def stream_error(self, err: GatewayError) -> bytes:
-        return openai_stream_error(err)
+        return self._truncated([{"index": 0, "delta": {}, "finish_reason": "length"}], note)
 
 
 def _check_messages(messages: Any, model: Model) -> None:

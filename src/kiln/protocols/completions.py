@@ -14,42 +14,26 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from kiln.catalog import Backend, Catalog
+from kiln.catalog import Catalog
 from kiln.core import errors
-from kiln.core.errors import GatewayError
-from kiln.core.records import Usage
-from kiln.protocols.base import Reply, as_bool, openai_error, openai_stream_error
-from kiln.protocols.chat import cost_fragment, lookup_model, parse_stop
+from kiln.protocols.base import as_bool
+from kiln.protocols.chat import lookup_model, parse_stop
+from kiln.protocols.openai_base import OpenAITranslator
 from kiln.protocols.stop import StopMatcher, cut_at_stop
-from kiln.upstream import in_stream_error
 
 DEFAULT_MAX_TOKENS = 16
-_DONE = b"data: [DONE]\n\n"
 
 
-class CompletionsTranslator:
+class CompletionsTranslator(OpenAITranslator):
     endpoint = "completions"
     upstream_path = "/completions"
+    chunk_object = "text_completion"
 
     def __init__(self, catalog: Catalog) -> None:
-        self.catalog = catalog
-        self.stream = False
-        self.include_usage = False
-        self.usage = Usage()
-        self.chunks = 0
-        self.done = False
+        super().__init__(catalog)
         self.stops: list[str] = []
-        self._body: dict[str, Any] = {}
-        self._data: dict[str, Any] = {}
         self._heads: list[int | None] = []  # per choice: echoed prompt length (None: unknown)
         self._matchers: dict[int, StopMatcher] = {}
-        self._usage_chunk: dict[str, Any] | None = None
-        self._model_from = b""
-        self._model_to = b""
-        self._stream_id = ""
-        self._created = 0
 
     # -- request ----------------------------------------------------------
 
@@ -58,19 +42,7 @@ class CompletionsTranslator:
             raise errors.invalid("The request body must be a JSON object.")
         self.model = model = lookup_model(self.catalog, body)
         prompts = _prompts(body.get("prompt"))
-        stream = as_bool(body.get("stream", False))
-        if stream is None:
-            raise errors.invalid("'stream' must be a boolean (true or false).", param="stream")
-        self.stream = body["stream"] = stream
-        options = body.get("stream_options")
-        if options is not None:
-            if not stream:
-                raise errors.invalid("'stream_options' is only allowed with 'stream': true.", param="stream_options")
-            if not isinstance(options, dict):
-                raise errors.invalid("'stream_options' must be an object.", param="stream_options")
-            self.include_usage = as_bool(options.get("include_usage", False)) is True
-        if stream:
-            body["stream_options"] = {**(options or {}), "include_usage": True}
+        stream = self._stream_options(body)
         limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
         if limit is None:
             limit = DEFAULT_MAX_TOKENS
@@ -107,20 +79,10 @@ class CompletionsTranslator:
         self._body = body
         return body
 
-    def upstream_body(self, backend: Backend) -> bytes:
-        self._body["model"] = backend.model
-        if backend.model != self.model.id:
-            self._model_from = b'"model":' + orjson.dumps(backend.model)
-            self._model_to = b'"model":' + orjson.dumps(self.model.id)
-        return orjson.dumps(self._body)
-
     # -- JSON response ----------------------------------------------------
 
     def response(self, raw: bytes) -> None:
-        data = orjson.loads(raw)
-        if not isinstance(data, dict):
-            raise errors.bad_gateway("The model backend returned a malformed response.")
-        data["model"] = self.model.id
+        data = self._load_response(raw)
         for choice in data.get("choices") or ():
             head = self._head(choice.get("index", 0))
             if self.stops and head is not None and isinstance(choice.get("text"), str):
@@ -129,58 +91,14 @@ class CompletionsTranslator:
                     choice["text"] = choice["text"][:head] + tail
                     choice["finish_reason"], choice["stop_reason"] = "stop", hit
                     _trim_logprobs(choice.get("logprobs"), len(choice["text"]))
-        usage = data.get("usage")
-        if isinstance(usage, dict):
-            self.usage = Usage.from_openai(usage)
-        else:
-            data["usage"] = {}
-        self._data = data
-
-    def render(self, cost_nano: int) -> bytes:
-        usage = self._data["usage"]
-        if not usage:
-            usage.update(self._counts())
-        usage["cost"] = cost_fragment(cost_nano)
-        return orjson.dumps(self._data)
 
     # -- stream -----------------------------------------------------------
 
-    def chunk(self, payload: bytes) -> bytes:
-        if payload == b"[DONE]":
-            self.done = True
-            return b""
-        if payload.startswith(b'{"error"'):
-            raise in_stream_error(orjson.loads(payload))
-        if self.stops:
-            return self._chunk_parsed(orjson.loads(payload))
-        if b'"usage"' in payload and self._take_usage(orjson.loads(payload)):
-            return b""
-        if not self.chunks:  # the first chunk names the stream (for chunks Kiln adds)
-            head = orjson.loads(payload)
-            self._stream_id, self._created = head.get("id", ""), head.get("created", 0)
-        self.chunks += 1
-        if self._model_from:
-            payload = payload.replace(self._model_from, self._model_to, 1)
-        return b"data: " + payload + b"\n\n"
-
-    def _take_usage(self, data: dict[str, Any]) -> bool:
-        """Record usage from a chunk; True if the chunk is the usage-only chunk."""
-        usage = data.get("usage")
-        if isinstance(usage, dict):
-            self.usage = Usage.from_openai(usage)
-            if not data.get("choices"):
-                self._usage_chunk = data
-                return True
-        return False
+    def _parse_chunks(self) -> bool:
+        return bool(self.stops)
 
     def _chunk_parsed(self, data: dict[str, Any]) -> bytes:
         """Stop strings: hold back what could still become one, cut where one appears."""
-        if self._take_usage(data):
-            return b""
-        data.pop("usage", None)
-        data["model"] = self.model.id
-        self._stream_id = data.get("id", self._stream_id)
-        self._created = data.get("created", self._created)
         keep = []
         for choice in data.get("choices") or ():
             index = choice.get("index", 0)
@@ -202,49 +120,16 @@ class CompletionsTranslator:
                 keep.append(choice)
         if all(i in self._matchers and self._matchers[i].matched is not None for i in range(len(self._heads))):
             self.done = True  # every choice hit a stop string: stop reading (and the backend generating)
-        if not keep:
-            return b""
-        self.chunks += 1
-        data["choices"] = keep
-        return b"data: " + orjson.dumps(data) + b"\n\n"
+        return self._emit(data, keep)
 
     def _head(self, index: int) -> int | None:
         """Characters of echoed prompt still ahead in choice `index`'s text (None: unknown)."""
         return self._heads[index] if 0 <= index < len(self._heads) else 0
 
-    def finish(self, cost_nano: int) -> bytes:
-        if not self.include_usage:
-            return _DONE
-        chunk = self._usage_chunk or {
-            "id": self._stream_id, "object": "text_completion", "created": self._created, "choices": []
-        }
-        chunk["model"] = self.model.id
-        usage = chunk.setdefault("usage", {})
-        if not usage or not self.usage.exact:
-            usage.update(self._counts())
-        usage["cost"] = cost_fragment(cost_nano)
-        return b"data: " + orjson.dumps(chunk) + b"\n\n" + _DONE
-
     def truncate(self, note: str) -> bytes:
         choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": "length"}
                    for i in range(len(self._heads) or 1)]
-        chunk = {"id": self._stream_id, "object": "text_completion", "created": self._created,
-                 "model": self.model.id, "choices": choices, "kiln_note": note}
-        return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    def keepalive(self) -> bytes:
-        return b": keepalive\n\n"
-
-    def error(self, err: GatewayError) -> Reply:
-        return openai_error(err)
-
-    def stream_error(self, err: GatewayError) -> bytes:
-        return openai_stream_error(err)
-
-    def _counts(self) -> dict[str, int]:
-        u = self.usage
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens}
+        return self._truncated(choices, note)
 
 
 def _prompts(prompt: Any) -> list[str | list[int]]:
