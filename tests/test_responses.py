@@ -79,9 +79,10 @@ def test_text_response_object_usage_and_ledger(tenant: Tenant, sim: Sim) -> None
     ev = {e["id"]: e for e in tenant.usage()}[raw.headers["x-neocloud-generation-id"]]
     assert ev["endpoint"] == "responses"
     assert (ev["prompt_tokens"], ev["completion_tokens"]) == (u.input_tokens, u.output_tokens)
-    assert "cost" not in json.loads(raw.http_response.text)["usage"]  # Responses output: token counts only
+    # The JSON body is OpenAI-shaped: usage.cost as deducted (only the stream events omit it).
+    shown = Decimal(json.loads(raw.http_response.text, parse_float=Decimal)["usage"]["cost"])
     cached = u.input_tokens_details.cached_tokens
-    assert Decimal(ev["cost"]) == cost_of(QWEN, u.input_tokens, cached, u.output_tokens)
+    assert Decimal(ev["cost"]) == shown == cost_of(QWEN, u.input_tokens, cached, u.output_tokens)
 
 
 def test_input_items_become_chat_messages(tenant: Tenant, sim: Sim) -> None:

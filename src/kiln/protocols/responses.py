@@ -30,6 +30,7 @@ from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
 from kiln.protocols.base import SSE, Reply, as_bool, openai_error
 from kiln.protocols.chat import lookup_model
+from kiln.protocols.openai_base import cost_fragment
 from kiln.protocols.responses_input import MappedRequest, map_request
 from kiln.protocols.responses_output import EventStream, Items, new_id
 from kiln.protocols.responses_reasoning import ReasoningSeal, reasoning_key
@@ -94,9 +95,12 @@ class ResponsesTranslator:
             self.usage = Usage.from_openai(data["usage"])
 
     def render(self, cost_nano: int) -> bytes:
+        """The JSON response carries usage.cost like every OpenAI-shaped JSON body; the stream
+        events carry token counts only (the contract)."""
         status, details, _ = self._outcome(streaming=False)
+        usage = {**self._usage(), "cost": cost_fragment(cost_nano)}
         return orjson.dumps(self._snapshot(status=status, incomplete_details=details, output=self._output,
-                                           usage=self._usage()))
+                                           usage=usage))
 
     # -- stream -----------------------------------------------------------
 
