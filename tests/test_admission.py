@@ -296,3 +296,47 @@ def test_maintenance_drains_streams_in_flight(env: tuple[Gateway, Sim]) -> None:
             gw.admin.put("/maintenance", json={"until": None})
     assert rest[-1] == "data: [DONE]", "a stream in flight finishes"
     assert len(t.usage()) == 1, "the drained stream is billed, the refused request is not"
+
+
+# -- the same refusals in Anthropic's shape ----------------------------------------------------
+
+
+def _messages(t: Tenant, **body: Any) -> httpx.Response:
+    with t.http() as c:
+        return c.post("/v1/messages?beta=true", headers={"anthropic-version": "2023-06-01"}, json={
+            "model": "qwen3-32b", "max_tokens": 20, "messages": [{"role": "user", "content": "Hello"}], **body})
+
+
+def _anthropic_error(r: httpx.Response, status: int, kind: str) -> str:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind
+    assert "x-neocloud-generation-id" not in r.headers
+    return str(body["error"]["message"])
+
+
+def test_refusals_on_messages_come_in_anthropic_shape(env: tuple[Gateway, Sim]) -> None:
+    gw, _ = env
+    for org_fields, key_fields, word in (({"credits": "0"}, {}, "credits"),
+                                         ({"monthly_budget": "0"}, {}, "budget"),
+                                         ({}, {"spend_limit": "0"}, "limit")):
+        t = gw.new_key(**{"credits": "10", **org_fields}, key_fields=key_fields)
+        assert word in _anthropic_error(_messages(t), 402, "billing_error").lower()
+        assert t.usage() == []
+    t = gw.new_key(rpm_limit=1)
+    assert _messages(t).status_code == 200
+    r = _messages(t)
+    _anthropic_error(r, 429, "rate_limit_error")
+    assert int(r.headers["retry-after"]) > 0 and "x-ratelimit-reset" in r.headers
+    gw.admin.post(f"/keys/{t.key_id}/suspend")
+    _anthropic_error(_messages(t), 403, "permission_error")
+    t = gw.new_key()
+    assert gw.admin.put("/maintenance", json={"until": advance(gw, 0) + 600}).status_code == 200
+    try:
+        r = _messages(t)
+        _anthropic_error(r, 503, "overloaded_error")
+        assert r.headers["retry-after"]
+    finally:
+        gw.admin.put("/maintenance", json={"until": None})
+    assert len(t.usage()) == 0
+    advance(gw, 61)
