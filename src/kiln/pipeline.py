@@ -104,16 +104,20 @@ class Gateway:
             raise errors.unauthorized(problem or "No API key provided.")
         return self.accounts.authenticate(token)
 
+    async def intake(self, request: Request) -> tuple[ApiKey, bytes, Any]:
+        """Authenticate, then read the bounded body and parse it as JSON."""
+        key = self.authenticate(request)
+        raw = await read_body(request, self.settings.max_body_bytes)
+        try:
+            return key, raw, orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise errors.invalid(f"The request body is not valid JSON: {exc}.") from None
+
     async def handle(self, request: Request, protocol: type[Translator]) -> Response | StreamResponse:
         started = time.monotonic()
         tr = protocol(self.catalog)
         try:
-            key = self.authenticate(request)
-            raw = await read_body(request, self.settings.max_body_bytes)
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise errors.invalid(f"The request body is not valid JSON: {exc}.") from None
+            key, raw, body = await self.intake(request)
             upstream_body = tr.request(body)
             if self.maintenance.active:
                 raise self.maintenance.error()

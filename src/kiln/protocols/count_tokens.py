@@ -21,10 +21,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln.catalog import Model
-from kiln.core import errors
 from kiln.core.admission import Demand
 from kiln.core.errors import GatewayError
-from kiln.http import read_body
 from kiln.pipeline import Gateway
 from kiln.protocols.base import JSON
 from kiln.protocols.messages import MessagesTranslator
@@ -40,12 +38,7 @@ async def count_tokens(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     tr = MessagesTranslator(gw.catalog)
     try:
-        key = gw.authenticate(request)
-        raw = await read_body(request, gw.settings.max_body_bytes)
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise errors.invalid(f"The request body is not valid JSON: {exc}.") from None
+        key, _, body = await gw.intake(request)
         chat = tr.prompt(body)
         if gw.maintenance.active:
             raise gw.maintenance.error()
