@@ -12,9 +12,13 @@ gateway's SQLite ledger, the client's output).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
+import sqlite3
 import subprocess
+import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +70,43 @@ class LoopbackNamespace:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+# Run inside a namespace: script the simulator, create an organisation and a key, print the key.
+_PROVISION = r"""
+import json, sys, httpx
+gateway, sim, rules, admin, name = sys.argv[1:]
+httpx.post(sim + "/sim/config", json={"rules": json.loads(rules)}).raise_for_status()
+api = httpx.Client(base_url=gateway + "/admin/v1", headers={"Authorization": "Bearer " + admin})
+org = api.post("/orgs", json={"name": name, "credits": "10"}).json()
+project = api.post("/projects", json={"org_id": org["id"], "name": "e2e"}).json()
+print(api.post("/keys", json={"project_id": project["id"], "name": name}).json()["key"])
+"""
+_REQUESTS = "import sys, httpx; print(httpx.get(sys.argv[1] + '/sim/requests').text)"
+
+
+@dataclass
+class Turn:
+    done: subprocess.CompletedProcess[str]
+    upstream: list[dict[str, Any]]  # the chat bodies the simulator received for it
+
+
+def provision(ns: LoopbackNamespace, gateway_url: str, sim_url: str, rules: list[dict[str, Any]],
+              admin_key: str, name: str) -> str:
+    """Script the simulator with `rules` and return a new Kiln key (all from inside the namespace)."""
+    done = ns.run([sys.executable, "-c", _PROVISION, gateway_url, sim_url, json.dumps(rules), admin_key, name],
+                  capture_output=True, text=True, check=True)
+    return done.stdout.strip()
+
+
+def upstream_bodies(ns: LoopbackNamespace, sim_url: str) -> list[dict[str, Any]]:
+    """The chat bodies the simulator received, oldest first."""
+    out = ns.run([sys.executable, "-c", _REQUESTS, sim_url], capture_output=True, text=True, check=True)
+    return [e["body"] for e in json.loads(out.stdout) if e["path"] == "/v1/chat/completions"]
+
+
+def ledger_rows(data_dir: Path) -> list[sqlite3.Row]:
+    """The gateway's usage events, read from its SQLite file."""
+    with sqlite3.connect(data_dir / "kiln.db") as db:
+        db.row_factory = sqlite3.Row
+        return db.execute("SELECT * FROM usage_events ORDER BY created_at").fetchall()

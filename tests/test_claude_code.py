@@ -18,8 +18,6 @@ from __future__ import annotations
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -27,7 +25,7 @@ from typing import Any, Iterator
 import pytest
 
 from conftest import ADMIN_KEY, Gateway, Sim, start_gateway, start_sim, stop
-from e2e import LoopbackNamespace, npm_client
+from e2e import LoopbackNamespace, Turn, ledger_rows, npm_client, provision, upstream_bodies
 
 VERSION = "2.1.332"
 MODEL = "sim-coder"
@@ -44,23 +42,6 @@ RULES = [
         "200000 tokens and your request has 190000 input tokens (32000 > 200000 - 190000).")}},
 ]
 PROMPTS = ("say hi", "please run the magic command", "overflow please", "tight budget")
-# Run inside the namespace: script the simulator, create an organisation and a key, print the key.
-SETUP = r"""
-import json, sys, httpx
-gateway, sim, rules, admin = sys.argv[1:]
-httpx.post(sim + "/sim/config", json={"rules": json.loads(rules)}).raise_for_status()
-api = httpx.Client(base_url=gateway + "/admin/v1", headers={"Authorization": "Bearer " + admin})
-org = api.post("/orgs", json={"name": "claude-code", "credits": "10"}).json()
-project = api.post("/projects", json={"org_id": org["id"], "name": "e2e"}).json()
-print(api.post("/keys", json={"project_id": project["id"], "name": "claude"}).json()["key"])
-"""
-REQUESTS = "import sys, httpx; print(httpx.get(sys.argv[1] + '/sim/requests').text)"
-
-
-@dataclass
-class Turn:
-    done: subprocess.CompletedProcess[str]
-    upstream: list[dict[str, Any]]  # the chat bodies the simulator received for it
 
 
 @dataclass
@@ -79,14 +60,10 @@ class Stack:
         self.turns[prompt] = Turn(done, self.upstream()[before:])
 
     def upstream(self) -> list[dict[str, Any]]:
-        """The chat bodies the simulator received, oldest first."""
-        out = self.ns.run([sys.executable, "-c", REQUESTS, self.sim.url], capture_output=True, text=True, check=True)
-        return [e["body"] for e in json.loads(out.stdout) if e["path"] == "/v1/chat/completions"]
+        return upstream_bodies(self.ns, self.sim.url)
 
     def ledger(self) -> list[sqlite3.Row]:
-        with sqlite3.connect(self.gateway.data_dir / "kiln.db") as db:
-            db.row_factory = sqlite3.Row
-            return db.execute("SELECT * FROM usage_events ORDER BY created_at").fetchall()
+        return ledger_rows(self.gateway.data_dir)
 
 
 @pytest.fixture(scope="module")
@@ -109,11 +86,10 @@ capabilities = {{ tool_choice = ["auto", "none"], reasoning = true }}
 url = "{sim.url}/v1"
 """, ns=ns)
         try:
-            setup = ns.run([sys.executable, "-c", SETUP, gateway.url, sim.url, json.dumps(RULES), ADMIN_KEY],
-                           capture_output=True, text=True, check=True)
+            key = provision(ns, gateway.url, sim.url, RULES, ADMIN_KEY, "claude-code")
             home = tempfile.mkdtemp(prefix="kiln-claude-")
             env = {"PATH": os.environ["PATH"], "HOME": home, "ANTHROPIC_BASE_URL": gateway.url,
-                   "ANTHROPIC_API_KEY": setup.stdout.strip(), "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+                   "ANTHROPIC_API_KEY": key, "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
                    "DISABLE_AUTOUPDATER": "1", "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"}
             stack = Stack(ns, sim, gateway, env, claude)
             for prompt in PROMPTS:

@@ -21,7 +21,6 @@ import json
 import os
 import sqlite3
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +29,7 @@ from typing import Any, Iterator
 import pytest
 
 from conftest import ADMIN_KEY, Gateway, Sim, start_gateway, start_sim, stop
-from e2e import LoopbackNamespace, npm_client
+from e2e import LoopbackNamespace, Turn, ledger_rows, npm_client, provision, upstream_bodies
 
 VERSION = "0.171.0"
 MODEL = "sim-coder"
@@ -45,23 +44,6 @@ RULES = [
     {"when": "kiln resumes", "sim": {"reply": "Resumed.", "tool_calls": []}},
 ]
 TURNS = {"hello": ["kiln says hello"], "tools": ["kiln edits files"], "resume": ["resume", "--last", "kiln resumes"]}
-# Run inside the namespace: script the simulator, create an organisation and a key, print the key.
-SETUP = r"""
-import json, sys, httpx
-gateway, sim, rules, admin = sys.argv[1:]
-httpx.post(sim + "/sim/config", json={"rules": json.loads(rules)}).raise_for_status()
-api = httpx.Client(base_url=gateway + "/admin/v1", headers={"Authorization": "Bearer " + admin})
-org = api.post("/orgs", json={"name": "codex", "credits": "10"}).json()
-project = api.post("/projects", json={"org_id": org["id"], "name": "e2e"}).json()
-print(api.post("/keys", json={"project_id": project["id"], "name": "codex"}).json()["key"])
-"""
-REQUESTS = "import sys, httpx; print(httpx.get(sys.argv[1] + '/sim/requests').text)"
-
-
-@dataclass
-class Turn:
-    done: subprocess.CompletedProcess[str]
-    upstream: list[dict[str, Any]]  # the chat bodies the simulator received for it
 
 
 @dataclass
@@ -90,9 +72,7 @@ class Stack:
         self.turns[name] = Turn(done, self.upstream()[before:])
 
     def upstream(self) -> list[dict[str, Any]]:
-        """The chat bodies the simulator received, oldest first."""
-        out = self.ns.run([sys.executable, "-c", REQUESTS, self.sim.url], capture_output=True, text=True, check=True)
-        return [e["body"] for e in json.loads(out.stdout) if e["path"] == "/v1/chat/completions"]
+        return upstream_bodies(self.ns, self.sim.url)
 
     def catalog(self) -> list[dict[str, Any]]:
         """The model catalog Codex built from the gateway's GET /v1/models."""
@@ -101,9 +81,7 @@ class Stack:
         return json.loads(out.stdout)["models"]  # type: ignore[no-any-return]
 
     def ledger(self) -> list[sqlite3.Row]:
-        with sqlite3.connect(self.gateway.data_dir / "kiln.db") as db:
-            db.row_factory = sqlite3.Row
-            return db.execute("SELECT * FROM usage_events ORDER BY created_at").fetchall()
+        return ledger_rows(self.gateway.data_dir)
 
 
 @pytest.fixture(scope="module")
@@ -125,10 +103,9 @@ capabilities = {{ tool_choice = ["auto", "none"], parallel_tool_calls = true, re
 url = "{sim.url}/v1"
 """, ns=ns)
         try:
-            setup = ns.run([sys.executable, "-c", SETUP, gateway.url, sim.url, json.dumps(RULES), ADMIN_KEY],
-                           capture_output=True, text=True, check=True)
+            key = provision(ns, gateway.url, sim.url, RULES, ADMIN_KEY, "codex")
             home = tempfile.mkdtemp(prefix="kiln-codex-")
-            env = {"PATH": os.environ["PATH"], "HOME": home, "CODEX_HOME": home, "KILN_API_KEY": setup.stdout.strip()}
+            env = {"PATH": os.environ["PATH"], "HOME": home, "CODEX_HOME": home, "KILN_API_KEY": key}
             stack = Stack(ns, sim, gateway, env, codex, Path(tempfile.mkdtemp(prefix="kiln-codex-work-")))
             for name, args in TURNS.items():
                 stack.run(name, args)

@@ -7,7 +7,6 @@ accepted on input) and are stored as exact nanodollars.
 
 from __future__ import annotations
 
-import time
 from datetime import datetime
 from typing import Any, Awaitable, Callable
 
