@@ -146,7 +146,7 @@ def test_100_simultaneous_requests_with_limit_8(env: tuple[Gateway, Sim]) -> Non
     gw, sim = env
     t = gw.new_key(concurrency_limit=8, rpm_limit=100000)
     sim.reset()
-    body = {"model": "qwen3-32b", "messages": MSG, "max_tokens": 5, "sim": {"delay_ms": 800}}
+    body = {"model": "qwen3-32b", "messages": MSG, "max_tokens": 5, "sim": {"delay_ms": 1500}}
 
     async def burst() -> list[tuple[int, float, httpx.Headers]]:
         async with httpx.AsyncClient(base_url=gw.url, headers={"Authorization": f"Bearer {t.key}"},
@@ -163,7 +163,7 @@ def test_100_simultaneous_requests_with_limit_8(env: tuple[Gateway, Sim]) -> Non
     limited = [r for r in results if r[0] == 429]
     assert len(ok) == 8 and len(limited) == 92
     assert sim.stats()["max_in_flight"] <= 8
-    assert all(elapsed < 0.7 for _, elapsed, _ in limited), "the 429 comes at once, not after a wait"
+    assert all(elapsed < 1.2 for _, elapsed, _ in limited), "the 429 comes at once, not after a wait"
     assert not any(k.startswith("x-ratelimit") for _, _, h in limited for k in h), "no rate-limit headers"
     assert len(t.usage()) == 8
     # Slots are free again after completion...
