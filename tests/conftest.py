@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import httpx
 import openai
@@ -24,6 +24,18 @@ import pytest
 
 ADMIN_KEY = "sk-kiln-admin-test-" + "x" * 32
 QWEN_UPSTREAM = "Qwen/Qwen3-32B"  # the backend's name differs from the public id on purpose
+
+
+def wait_for(check: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
+    """Poll `check` until it returns something truthy; fail after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
 
 
 def free_port() -> int:
@@ -55,6 +67,21 @@ class Sim:
 
     def last_body(self) -> dict[str, Any]:
         return self.requests()[-1]["body"]
+
+    def tagged(self, tag: str) -> tuple[str, dict[str, Any]] | None:
+        """(path, body) of the newest request whose `sim.tag` is `tag`, if it reached the simulator."""
+        for entry in reversed(self.requests()):
+            body = entry["body"]
+            if isinstance(body, dict) and (body.get("sim") or {}).get("tag") == tag:
+                return entry["path"], body
+        return None
+
+    def received(self, tag: str, path: str = "/v1/chat/completions") -> dict[str, Any]:
+        """The body the simulator received for the request tagged `tag` (it must have)."""
+        found = self.tagged(tag)
+        assert found is not None, f"the request tagged {tag} never reached the model server"
+        assert found[0] == path, found[0]
+        return found[1]
 
 
 def start_sim(*args: str, ns: Any = None) -> Sim:

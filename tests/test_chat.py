@@ -66,18 +66,11 @@ def chat(tenant: Tenant, body: dict[str, Any], tag: str | None = None) -> httpx.
 
 def upstream(sim: Sim, tag: str) -> dict[str, Any]:
     """The body the simulator received for the request tagged `tag`."""
-    for entry in reversed(sim.requests()):
-        body = entry["body"]
-        if entry["path"] == "/v1/chat/completions" and isinstance(body, dict) and (body.get("sim") or {}).get("tag") == tag:
-            return body
-    raise AssertionError(f"the request tagged {tag} never reached the model server")
+    return sim.received(tag)
 
 
 def never_reached(sim: Sim, tag: str) -> None:
-    for entry in sim.requests():
-        body = entry["body"]
-        assert not (isinstance(body, dict) and (body.get("sim") or {}).get("tag") == tag), \
-            "a request the gateway rejected reached the model server"
+    assert sim.tagged(tag) is None, "a request the gateway rejected reached the model server"
 
 
 def exact_json(resp: httpx.Response) -> Any:

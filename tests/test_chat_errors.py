@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import json
 import socket
-import time
 import uuid
 from decimal import Decimal
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 import httpx
 import openai
 import pytest
 
-from conftest import QWEN_UPSTREAM, Gateway, Sim, Tenant, catalog_toml, start_gateway, start_sim, stop
+from conftest import QWEN_UPSTREAM, Gateway, Sim, Tenant, catalog_toml, start_gateway, start_sim, stop, wait_for
 
 QWEN = "qwen3-32b"
 OSS = "gpt-oss-120b"
@@ -58,9 +57,7 @@ def data_payloads(raw: str) -> list[Any]:
 
 
 def never_reached(sim: Sim, tag: str) -> None:
-    for entry in sim.requests():
-        body = entry["body"]
-        assert not (isinstance(body, dict) and (body.get("sim") or {}).get("tag") == tag)
+    assert sim.tagged(tag) is None, "a request the gateway rejected reached the model server"
 
 
 def assert_openai_error(resp: httpx.Response, status: int) -> dict[str, Any]:
@@ -79,17 +76,6 @@ def assert_plain_502(resp: httpx.Response) -> str:
     assert resp.text.strip() and not resp.text.lstrip().startswith("{")
     assert "x-neocloud-generation-id" not in resp.headers
     return resp.text
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def event_for(tenant: Tenant, gen_id: str) -> dict[str, Any] | None:

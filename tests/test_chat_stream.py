@@ -10,14 +10,14 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 import pytest
 
-from conftest import QWEN_UPSTREAM, Sim, Tenant
+from conftest import QWEN_UPSTREAM, Sim, Tenant, wait_for
+from sse import SSE
 
 QWEN = "qwen3-32b"
 OSS = "gpt-oss-120b"
@@ -59,39 +59,6 @@ def new_tag() -> str:
     return uuid.uuid4().hex
 
 
-@dataclass
-class SSE:
-    status: int
-    headers: httpx.Headers
-    raw: str
-
-    @property
-    def frames(self) -> list[str]:
-        """The events of the stream: the text between blank lines."""
-        return [f for f in self.raw.split("\n\n") if f]
-
-    @property
-    def data(self) -> list[Any]:
-        """Every data payload in order: parsed JSON, or the string "[DONE]"."""
-        out = []
-        for frame in self.frames:
-            for line in frame.split("\n"):
-                if line.startswith("data: "):
-                    payload = line[len("data: "):]
-                    out.append(payload if payload == "[DONE]" else json.loads(payload, parse_float=Decimal))
-        return out
-
-    @property
-    def chunks(self) -> list[dict[str, Any]]:
-        return [d for d in self.data if isinstance(d, dict)]
-
-    def content(self) -> str:
-        return "".join(c["choices"][0]["delta"].get("content") or "" for c in self.chunks if c.get("choices"))
-
-    def reasoning(self) -> str:
-        return "".join(c["choices"][0]["delta"].get("reasoning") or "" for c in self.chunks if c.get("choices"))
-
-
 def stream(tenant: Tenant, body: dict[str, Any], tag: str | None = None, timeout: float = 30) -> SSE:
     body = {"stream": True, **body}
     if tag is not None:
@@ -103,17 +70,12 @@ def stream(tenant: Tenant, body: dict[str, Any], tag: str | None = None, timeout
 
 
 def upstream(sim: Sim, tag: str) -> dict[str, Any]:
-    for entry in reversed(sim.requests()):
-        body = entry["body"]
-        if entry["path"] == "/v1/chat/completions" and isinstance(body, dict) and (body.get("sim") or {}).get("tag") == tag:
-            return body
-    raise AssertionError(f"the request tagged {tag} never reached the model server")
+    """The body the simulator received for the request tagged `tag`."""
+    return sim.received(tag)
 
 
 def never_reached(sim: Sim, tag: str) -> None:
-    for entry in sim.requests():
-        body = entry["body"]
-        assert not (isinstance(body, dict) and (body.get("sim") or {}).get("tag") == tag)
+    assert sim.tagged(tag) is None, "a request the gateway rejected reached the model server"
 
 
 def expected_cost(model: str, usage: dict[str, Any]) -> Decimal:
@@ -141,17 +103,6 @@ def assert_clean_stream(s: SSE, model: str = QWEN) -> None:
         assert c["model"] == model
     finals = [c for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason") is not None]
     assert len(finals) == 1, "exactly one chunk carries the finish_reason"
-
-
-def wait_for(check: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def event_for(tenant: Tenant, gen_id: str) -> dict[str, Any]:

@@ -39,12 +39,11 @@ def tagged(body: dict[str, Any], **sim: Any) -> tuple[dict[str, Any], str]:
 
 
 def upstream(sim: Sim, tag: str) -> dict[str, Any] | None:
-    for entry in reversed(sim.requests()):
-        body = entry["body"]
-        if isinstance(body, dict) and (body.get("sim") or {}).get("tag") == tag:
-            assert entry["path"] == "/v1/completions"
-            return body
-    return None
+    found = sim.tagged(tag)
+    if found is None:
+        return None
+    assert found[0] == "/v1/completions"
+    return found[1]
 
 
 def post(tenant: Tenant, body: dict[str, Any]) -> httpx.Response:

@@ -37,12 +37,11 @@ def tag_sim(**sim: Any) -> tuple[dict[str, Any], str]:
 
 
 def upstream(sim: Sim, tag: str) -> dict[str, Any] | None:
-    for entry in reversed(sim.requests()):
-        body = entry["body"]
-        if isinstance(body, dict) and (body.get("sim") or {}).get("tag") == tag:
-            assert entry["path"] == "/v1/chat/completions"
-            return body
-    return None
+    found = sim.tagged(tag)
+    if found is None:
+        return None
+    assert found[0] == "/v1/chat/completions"
+    return found[1]
 
 
 def create(tenant: Tenant, **kw: Any) -> Any:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any, Iterator
 
@@ -20,6 +19,7 @@ import httpx
 import pytest
 
 from conftest import Sim, Tenant
+from sse import SSE
 
 QWEN = "qwen3-32b"
 OSS = "gpt-oss-120b"
@@ -66,34 +66,6 @@ def post(tenant: Tenant, body: dict[str, Any]) -> httpx.Response:
         return client.post("/v1/chat/completions", json=body)
 
 
-@dataclass
-class SSE:
-    status: int
-    headers: httpx.Headers
-    raw: str
-
-    @property
-    def data(self) -> list[Any]:
-        out = []
-        for frame in (f for f in self.raw.split("\n\n") if f):
-            if frame.startswith("data: "):
-                payload = frame[len("data: "):]
-                out.append(payload if payload == "[DONE]" else json.loads(payload, parse_float=Decimal))
-            else:
-                assert frame.startswith(":"), frame
-        return out
-
-    @property
-    def chunks(self) -> list[dict[str, Any]]:
-        return [d for d in self.data if isinstance(d, dict)]
-
-    def content(self) -> str:
-        return "".join(c["choices"][0]["delta"].get("content") or "" for c in self.chunks if c.get("choices"))
-
-    def finish_reasons(self) -> list[str]:
-        return [c["choices"][0]["finish_reason"] for c in self.chunks if c.get("choices") and c["choices"][0].get("finish_reason")]
-
-
 def stream(tenant: Tenant, body: dict[str, Any]) -> SSE:
     with httpx.Client(base_url=tenant.gw.url, headers={"Authorization": f"Bearer {tenant.key}"}, timeout=30) as c:
         with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
@@ -122,11 +94,8 @@ def billed(tenant: Tenant, gen_id: str) -> dict[str, Any]:
 
 
 def upstream(sim: Sim, tag: str) -> dict[str, Any]:
-    for entry in reversed(sim.requests()):
-        body = entry["body"]
-        if entry["path"] == "/v1/chat/completions" and isinstance(body, dict) and (body.get("sim") or {}).get("tag") == tag:
-            return body
-    raise AssertionError(f"the request tagged {tag} never reached the model server")
+    """The body the simulator received for the request tagged `tag`."""
+    return sim.received(tag)
 
 
 # -- cases ---------------------------------------------------------------------------------------
