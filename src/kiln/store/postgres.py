@@ -26,76 +26,9 @@ from kiln.store.base import (
     cost_by_owner,
     usage_rows,
 )
+from kiln.store.schema import migrations
 
-MIGRATIONS: list[str] = [
-    """
-    CREATE TABLE orgs (
-        id TEXT PRIMARY KEY,
-        name TEXT NOT NULL UNIQUE,
-        credits_nano BIGINT NOT NULL DEFAULT 0,
-        monthly_budget_nano BIGINT,
-        rpm_limit INTEGER,
-        tpm_limit INTEGER,
-        concurrency_limit INTEGER,
-        created_at DOUBLE PRECISION NOT NULL
-    );
-    CREATE TABLE projects (
-        id TEXT PRIMARY KEY,
-        org_id TEXT NOT NULL REFERENCES orgs(id),
-        name TEXT NOT NULL,
-        created_at DOUBLE PRECISION NOT NULL,
-        UNIQUE (org_id, name)
-    );
-    CREATE TABLE api_keys (
-        id TEXT PRIMARY KEY,
-        project_id TEXT NOT NULL REFERENCES projects(id),
-        org_id TEXT NOT NULL REFERENCES orgs(id),
-        key_hash TEXT NOT NULL UNIQUE,
-        prefix TEXT NOT NULL,
-        name TEXT NOT NULL DEFAULT '',
-        status TEXT NOT NULL DEFAULT 'active',
-        spend_limit_nano BIGINT,
-        expires_at DOUBLE PRECISION,
-        spend_nano BIGINT NOT NULL DEFAULT 0,
-        created_at DOUBLE PRECISION NOT NULL
-    );
-    CREATE TABLE credit_grants (
-        id BIGSERIAL PRIMARY KEY,
-        org_id TEXT NOT NULL REFERENCES orgs(id),
-        amount_nano BIGINT NOT NULL,
-        note TEXT NOT NULL DEFAULT '',
-        created_at DOUBLE PRECISION NOT NULL
-    );
-    CREATE TABLE usage_events (
-        seq BIGSERIAL,
-        id TEXT PRIMARY KEY,
-        created_at DOUBLE PRECISION NOT NULL,
-        org_id TEXT NOT NULL,
-        project_id TEXT NOT NULL,
-        key_id TEXT NOT NULL,
-        model TEXT NOT NULL,
-        endpoint TEXT NOT NULL,
-        prompt_tokens INTEGER NOT NULL,
-        cached_tokens INTEGER NOT NULL,
-        completion_tokens INTEGER NOT NULL,
-        reasoning_tokens INTEGER NOT NULL,
-        cost_nano BIGINT NOT NULL,
-        status TEXT NOT NULL,
-        cancelled BOOLEAN NOT NULL,
-        ttft_ms DOUBLE PRECISION,
-        duration_ms DOUBLE PRECISION NOT NULL
-    );
-    CREATE INDEX usage_events_org_time ON usage_events (org_id, created_at);
-    CREATE INDEX usage_events_key_time ON usage_events (key_id, created_at);
-    CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-    """,
-    """
-    ALTER TABLE api_keys ADD COLUMN spend_reset TEXT NOT NULL DEFAULT 'never';
-    ALTER TABLE api_keys ADD COLUMN rpm_limit INTEGER;
-    ALTER TABLE api_keys ADD COLUMN tpm_limit INTEGER;
-    ALTER TABLE api_keys ADD COLUMN concurrency_limit INTEGER;
-    """,
-]
+MIGRATIONS = migrations("postgres")
 
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
