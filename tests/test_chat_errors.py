@@ -473,3 +473,18 @@ def test_abandoned_json_request_is_cancelled_upstream(tenant: Tenant, sim: Sim) 
     assert event["completion_tokens"] == 0
     assert wait_for(lambda: tenant.org()["in_flight"] == 0, what="the admission slot to be released")
 
+
+
+def test_a_malformed_backend_answer_is_a_502_never_a_500(tenant: Tenant) -> None:
+    with tenant.http() as c:
+        r = c.post("/v1/chat/completions", json={"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}],
+                                                 "sim": {"malformed": True}})
+        assert r.status_code == 502 and r.headers["content-type"].startswith("text/plain")
+        with c.stream("POST", "/v1/chat/completions", json={
+            "model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "sim": {"malformed": True, "stream_malformed": True},
+        }) as s:
+            assert s.status_code == 200
+            body = s.read().decode()
+    assert '"error"' in body and "malformed" in body and body.endswith("data: [DONE]\n\n")
+    assert all(e["cost"] == "0" for e in tenant.usage())

@@ -43,6 +43,8 @@ from kiln.upstream import Upstream, sse_batches, upstream_error
 log = logging.getLogger("kiln.pipeline")
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
+# What a translator raises on a body that is not the JSON a model server sends: a 502, never a 500.
+_MALFORMED = (ValueError, TypeError, KeyError, AttributeError)
 CAPPED_HEADER = "X-Kiln-Output-Capped"  # max_tokens lowered to what the money left covers
 BUDGET_NOTE = "Output stopped: the remaining credit, budget or key spend limit covers no more tokens."
 
@@ -181,7 +183,11 @@ class Gateway:
                 raise errors.timeout("The request took longer than the gateway's time limit.")
             return Response(b"", status_code=499)
         raw = work.result()
-        call.tr.response(raw)
+        try:
+            call.tr.response(raw)
+        except _MALFORMED as exc:
+            log.exception("malformed response from %s", call.backend.url if call.backend else "?")
+            raise errors.bad_gateway("The model backend returned a malformed response.") from exc
         event = await self._meter(call)
         headers = {GENERATION_HEADER: call.generation_id}
         if call.ticket.capped:
@@ -251,7 +257,8 @@ class Gateway:
                         try:
                             frames.append(tr.chunk(payload))
                         except GatewayError:  # the backend's in-stream error: what came before it still goes out
-                            await write(b"".join(frames))
+                            if any(frames):
+                                await write(b"".join(frames))
                             raise
                         if tr.done:
                             break
@@ -272,14 +279,17 @@ class Gateway:
             cancelled = False
             event = await self._meter(call)
             await write(tr.finish(event.cost_nano))
-        except (GatewayError, aiohttp.ClientError, TimeoutError) as exc:
+        except (GatewayError, aiohttp.ClientError, TimeoutError, *_MALFORMED) as exc:
             cancelled = False
             if isinstance(exc, TimeoutError):
                 err, status = errors.timeout("The request took longer than the gateway's time limit."), "timeout"
             elif isinstance(exc, GatewayError):
                 err, status = exc, "error"
-            else:
+            elif isinstance(exc, aiohttp.ClientError):
                 err, status = errors.bad_gateway("The model backend closed the connection mid-stream."), "error"
+            else:
+                log.exception("malformed stream from %s", call.backend.url if call.backend else "?")
+                err, status = errors.bad_gateway("The model backend sent a malformed stream."), "error"
             await self._meter(call, status=status)
             await write(tr.stream_error(err))
         finally:

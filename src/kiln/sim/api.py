@@ -19,6 +19,8 @@ Per-request control object, body key ``"sim"`` (all keys optional; never part of
     ttft_ms, token_delay_ms: number   override the global delays for this request
     drop_after: int         stream: close the TCP connection after N SSE events (role chunk
                             counts); non-stream: close without any response
+    malformed: bool         answer 200 with a body that is not JSON (with stream_malformed: true,
+                            an SSE stream whose data is not JSON)
     error_after: int        stream: N events, then an in-band {"error":{...,"code":500}} and
                             [DONE]; non-stream: HTTP 500 with a vLLM JSON error body
 

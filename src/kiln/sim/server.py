@@ -198,10 +198,14 @@ class SimServer:
         return hit * BLOCK
 
     async def pre_faults(self, request: web.Request, sim: dict[str, Any], ctx: Ctx) -> web.StreamResponse | None:
-        """sim.delay_ms and sim.status, applied before validation."""
+        """sim.delay_ms, sim.status and sim.malformed, applied before validation."""
         delay = _ms(sim.get("delay_ms"), 0.0)
         if delay > 0:
             await _sleep(request, delay)
+        if sim.get("malformed") is True:  # a 200 whose body is not what a model server sends
+            if sim.get("stream_malformed") is True:
+                return web.Response(body=b"data: {not json\n\n", content_type="text/event-stream")
+            return web.Response(body=b"<html>not json</html>", content_type=wire.JSON_CT)
         status = _int(sim.get("status"))
         if status is not None and status >= 400:
             message = sim.get("error_message")
