@@ -496,3 +496,13 @@ def test_same_prompt_same_tokens_and_cost_as_chat(tenant: Tenant, thinking: bool
     assert (a["endpoint"], b["endpoint"]) == ("chat.completions", "messages")
     assert json.loads(chat.text, parse_float=Decimal)["usage"]["cost"] == Decimal(b["cost"]) > 0
     assert (b["reasoning_tokens"] > 0) == thinking
+
+
+def test_unknown_paths_and_methods_under_messages_are_anthropic_errors(tenant: Tenant) -> None:
+    with tenant.http() as c:
+        missing = c.post("/v1/messages/batches", json={})
+        wrong = c.get("/v1/messages/count_tokens")
+        get_messages = c.get("/v1/messages")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+    assert wrong.status_code == 405 and wrong.json()["type"] == "error"
+    assert get_messages.status_code == 405 and get_messages.json()["type"] == "error"

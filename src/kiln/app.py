@@ -173,6 +173,8 @@ async def _http_error(request: Request, exc: Exception) -> Response:
                            code="method_not_allowed")
     else:
         err = GatewayError(exc.status_code, str(exc.detail))
+    if request.url.path.startswith("/v1/messages"):  # Anthropic clients parse Anthropic errors only
+        return _reply(MessagesTranslator(request.app.state.gateway.catalog).error(err))
     return _error(err)
 
 
