@@ -13,7 +13,7 @@ from typing import Iterator
 import asyncpg
 import pytest
 
-from conftest import Gateway, Sim, catalog_toml, start_gateway, stop
+from conftest import Gateway, Sim, catalog_toml, start_gateway, stop, wait_for
 
 DSN = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -79,3 +79,25 @@ def test_postgres_ledger_and_restart(sim: Sim, pg_schema: str) -> None:
         assert org2["usage_events"] == 6
     finally:
         stop(gw2.proc)
+
+
+def test_two_gateways_on_one_database_share_keys_and_status(sim: Sim, pg_schema: str) -> None:
+    """A key created or suspended through one replica holds on the other within the refresh interval."""
+    config = catalog_toml(sim.url).replace("[server]\n", "[server]\nrefresh_s = 0.3\n", 1)
+    env = {"KILN_DATABASE": f"{DSN}?schema={pg_schema}"}
+    a = start_gateway(config, env=env)
+    b = start_gateway(config, env=env)
+    try:
+        tenant = a.new_key()
+        body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        with b.http(tenant.key) as c:
+            wait_for(lambda: c.post("/v1/chat/completions", json=body).status_code == 200, what="key on replica b")
+            a.admin.post(f"/keys/{tenant.key_id}/suspend")
+            wait_for(lambda: c.post("/v1/chat/completions", json=body).status_code == 403, what="suspension on b")
+            a.admin.post(f"/keys/{tenant.key_id}/reactivate")
+            wait_for(lambda: c.post("/v1/chat/completions", json=body).status_code == 200, what="reactivation")
+        # Both replicas wrote to the one ledger.
+        assert len(tenant.usage()) >= 2
+    finally:
+        stop(a.proc)
+        stop(b.proc)

@@ -7,6 +7,7 @@ can too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from typing import AsyncIterator, Callable
@@ -203,6 +204,8 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         await router.start()
         gateway = Gateway(settings, catalog, accounts, MemoryAdmission(settings.limits), ledger, upstream, router)
         app.state.gateway = gateway
+        # Several gateways on one database: take each other's key and limit changes every few seconds.
+        refresher = asyncio.create_task(accounts.refresh_forever(settings.refresh_s)) if store.shared else None
         if on_ready is not None:
             result = on_ready(gateway)
             if hasattr(result, "__await__"):
@@ -210,6 +213,9 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         try:
             yield
         finally:
+            if refresher is not None:
+                refresher.cancel()
+                await asyncio.gather(refresher, return_exceptions=True)
             await router.stop()
             await ledger.stop()
             await upstream.close()

@@ -50,6 +50,7 @@ class Settings:
     keepalive_s: float = 15.0
     connect_timeout_s: float = 10.0
     backend_retry_s: float = 5.0
+    refresh_s: float = 2.0  # shared database: how often to take other gateways' key and limit changes
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
     models: list[dict[str, Any]] = field(default_factory=list)  # validated model tables
@@ -66,7 +67,8 @@ class Settings:
 _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "host": str, "port": int, "data_dir": str, "database": str, "sqlite_synchronous": str,
     "max_body_bytes": int, "request_timeout_s": (int, float), "keepalive_s": (int, float),
-    "connect_timeout_s": (int, float), "backend_retry_s": (int, float), "log_level": str,
+    "connect_timeout_s": (int, float), "backend_retry_s": (int, float), "refresh_s": (int, float),
+    "log_level": str,
 }
 _LIMIT_FIELDS: dict[str, type | tuple[type, ...]] = {"rpm": int, "tpm": int, "concurrency": int}
 _MODEL_FIELDS = {

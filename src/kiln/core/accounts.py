@@ -7,6 +7,8 @@ key takes effect on the next request.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import secrets
 import time
 from datetime import datetime, timezone
@@ -18,6 +20,7 @@ from kiln.core.records import KEY_STATUSES, ApiKey, Org, Project, UsageEvent
 from kiln.store.base import Store
 
 ADMIN_HASH_META = "admin_key_hash"
+log = logging.getLogger("kiln.accounts")
 
 
 _month: tuple[float, float, str] = (0.0, 0.0, "")  # [start, end) of the last month asked for
@@ -76,6 +79,11 @@ def roll_periods(org: Org | None, key: ApiKey | None, now: float) -> None:
             key.period, key.period_spend_nano = period, 0
 
 
+_ORG_SETTINGS = ("name", "monthly_budget_nano", "rpm_limit", "tpm_limit", "concurrency_limit")
+_KEY_SETTINGS = ("name", "status", "spend_limit_nano", "expires_at", "spend_reset", "rpm_limit", "tpm_limit",
+                 "concurrency_limit")
+
+
 def _id(prefix: str) -> str:
     return f"{prefix}_{secrets.token_hex(8)}"
 
@@ -108,6 +116,40 @@ class Accounts:
         self._by_hash = {k.key_hash: k for k in snap.keys}
         stored = await self.store.get_meta(ADMIN_HASH_META)
         self._admin_hashes = [stored] if stored else []
+
+    async def refresh(self) -> None:
+        """Take what other gateways changed in a shared database: new organisations, projects
+        and keys, key status, limits and expiry. Balances stay this process's own (admission
+        across replicas is a shared-state concern, not a cache one)."""
+        snap = await self.store.load(None)
+        month = month_of(CLOCK.time())
+        for org in snap.orgs:
+            mine = self.orgs.get(org.id)
+            if mine is None:
+                org.month = month
+                self.orgs[org.id] = org
+            else:
+                for name in _ORG_SETTINGS:
+                    setattr(mine, name, getattr(org, name))
+        for project in snap.projects:
+            self.projects.setdefault(project.id, project)
+        for key in snap.keys:
+            mine = self.keys.get(key.id)
+            if mine is None:
+                key.period = period_of(key.spend_reset, CLOCK.time())
+                self.keys[key.id] = self._by_hash[key.key_hash] = key
+            else:
+                for name in _KEY_SETTINGS:
+                    setattr(mine, name, getattr(key, name))
+
+    async def refresh_forever(self, every_s: float) -> None:
+        """Refresh from a shared database on a timer; a failed round is logged and retried."""
+        while True:
+            await asyncio.sleep(every_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("refreshing keys and organisations from the database failed")
 
     # -- the hot path -------------------------------------------------------
 

@@ -66,11 +66,13 @@ class Snapshot:
 
 
 class Store(Protocol):
+    shared: bool  # other gateway processes may write the same database
+
     async def open(self) -> None: ...
     async def close(self) -> None: ...
 
-    async def load(self, month_start: float) -> Snapshot:
-        """All orgs (with spend since month_start), projects and keys."""
+    async def load(self, month_start: float | None) -> Snapshot:
+        """All orgs (with spend since month_start, unless None), projects and keys."""
 
     async def insert_org(self, org: Org) -> None: ...
     async def update_org(self, org_id: str, fields: dict[str, Any]) -> None: ...

@@ -34,6 +34,7 @@ _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 
 
 class PostgresStore:
+    shared = True  # several gateways may use one database: they refresh their caches from it
     def __init__(self, dsn: str, schema: str = "public") -> None:
         if not _SCHEMA_NAME.match(schema):
             raise ValueError(f"invalid schema name {schema!r}")
@@ -64,9 +65,9 @@ class PostgresStore:
         assert self.pool is not None, "store is not open"
         return self.pool
 
-    async def load(self, month_start: float) -> Snapshot:
+    async def load(self, month_start: float | None) -> Snapshot:
         async with self._pool.acquire() as conn:
-            spend = {
+            spend = {} if month_start is None else {
                 r[0]: r[1]
                 for r in await conn.fetch(
                     "SELECT org_id, SUM(cost_nano) FROM usage_events WHERE created_at >= $1 GROUP BY org_id",

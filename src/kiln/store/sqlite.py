@@ -36,6 +36,7 @@ MIGRATIONS = migrations("sqlite")
 
 
 class SQLiteStore:
+    shared = False  # one gateway process owns the file
     CHECKPOINT_EVERY_S = 1.0
 
     def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
@@ -98,9 +99,9 @@ class SQLiteStore:
             self._db = None
         self._pool.shutdown(wait=True)
 
-    async def load(self, month_start: float) -> Snapshot:
+    async def load(self, month_start: float | None) -> Snapshot:
         def load(db: sqlite3.Connection) -> Snapshot:
-            spend = dict(
+            spend = {} if month_start is None else dict(
                 db.execute(
                     "SELECT org_id, SUM(cost_nano) FROM usage_events WHERE created_at >= ? GROUP BY org_id",
                     (month_start,),
