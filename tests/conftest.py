@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -116,6 +117,32 @@ def sim() -> Iterator[Sim]:
     stop(s.proc)
 
 
+# The session catalog's prices, USD per 1M tokens: input, cached input, output.
+PRICES = {
+    "qwen3-32b": (Decimal("0.10"), Decimal("0.05"), Decimal("0.30")),
+    "gpt-oss-120b": (Decimal("0.05"), Decimal("0.025"), Decimal("0.0625")),
+}
+
+
+def catalog_cost(model: str, prompt: int, cached: int, completion: int, *, rounded: bool = True) -> Decimal:
+    """What a request should cost at the catalog's prices, computed here independently of Kiln:
+    rounded half-up to the nanodollar as billed, or exact."""
+    p_in, p_cached, p_out = PRICES[model]
+    usd = ((prompt - cached) * p_in + cached * p_cached + completion * p_out) / 10**6
+    return usd.quantize(Decimal("1e-9"), rounding=ROUND_HALF_UP) if rounded else usd
+
+
+def usage_cost(model: str, usage: dict[str, Any], *, rounded: bool = True) -> Decimal:
+    """catalog_cost of an OpenAI-shaped usage object."""
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return catalog_cost(model, usage["prompt_tokens"], cached, usage["completion_tokens"], rounded=rounded)
+
+
+def _prices(model: str) -> str:
+    p_in, p_cached, p_out = PRICES[model]
+    return f'prices = {{ input = "{p_in}", cached_input = "{p_cached}", output = "{p_out}" }}'
+
+
 def catalog_toml(sim_url: str, extra: str = "") -> str:
     return f"""
 [server]
@@ -132,7 +159,7 @@ family = "qwen3"
 context_window = 32768
 max_output_tokens = 8192
 aliases = ["claude-sonnet-4-5"]
-prices = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
+{_prices("qwen3-32b")}
 capabilities = {{ tool_choice = ["auto", "none"], reasoning = true }}
 [[models.backends]]
 url = "{sim_url}/v1"
@@ -144,7 +171,7 @@ family = "gpt-oss"
 context_window = 131072
 max_output_tokens = 32768
 aliases = ["gpt-5"]
-prices = {{ input = "0.05", cached_input = "0.025", output = "0.0625" }}
+{_prices("gpt-oss-120b")}
 capabilities = {{ tool_choice = ["auto", "none", "required", "named"], parallel_tool_calls = true, reasoning = true, response_format = true, image_input = true }}
 [[models.backends]]
 url = "{sim_url}/v1"

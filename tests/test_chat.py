@@ -9,23 +9,19 @@ from __future__ import annotations
 
 import json
 import uuid
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from typing import Any, Iterator
 
 import httpx
 import openai
 import pytest
 
-from conftest import QWEN_UPSTREAM, Gateway, Sim, Tenant
+from conftest import QWEN_UPSTREAM, Gateway, Sim, Tenant, usage_cost
 
 QWEN = "qwen3-32b"
 OSS = "gpt-oss-120b"
 HELLO = [{"role": "user", "content": "Hello!"}]
 EMPTY_MESSAGES = "Invalid 'messages': the array must contain at least one message."
-PRICES = {  # USD per 1M tokens: input, cached input, output (conftest's catalog)
-    QWEN: (Decimal("0.10"), Decimal("0.05"), Decimal("0.30")),
-    OSS: (Decimal("0.05"), Decimal("0.025"), Decimal("0.0625")),
-}
 WEATHER = {
     "type": "function",
     "function": {
@@ -78,13 +74,6 @@ def exact_json(resp: httpx.Response) -> Any:
     return json.loads(resp.text, parse_float=Decimal)
 
 
-def expected_cost(model: str, usage: dict[str, Any]) -> Decimal:
-    p_in, p_cached, p_out = PRICES[model]
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    usd = ((usage["prompt_tokens"] - cached) * p_in + cached * p_cached + usage["completion_tokens"] * p_out) / 10**6
-    return usd.quantize(Decimal("1e-9"), rounding=ROUND_HALF_UP)
-
-
 def assert_error(resp: httpx.Response, status: int, *, code: str | None = None, param: str | None = None) -> dict[str, Any]:
     """An OpenAI-shaped error with no generation id; returns error{}."""
     assert resp.status_code == status, resp.text
@@ -107,7 +96,7 @@ def assert_metered(tenant: Tenant, resp: httpx.Response, model: str) -> dict[str
     usage = data["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert isinstance(usage["cost"], Decimal)
-    assert usage["cost"] == expected_cost(model, usage)
+    assert usage["cost"] == usage_cost(model, usage)
     gen_id = resp.headers["x-neocloud-generation-id"]
     events = {e["id"]: e for e in tenant.usage()}
     event = events[gen_id]

@@ -10,22 +10,18 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from typing import Any
 
 import httpx
 import pytest
 
-from conftest import QWEN_UPSTREAM, Sim, Tenant, wait_for
+from conftest import QWEN_UPSTREAM, Sim, Tenant, wait_for, usage_cost
 from sse import SSE
 
 QWEN = "qwen3-32b"
 OSS = "gpt-oss-120b"
 HELLO = [{"role": "user", "content": "Hello!"}]
-PRICES = {
-    QWEN: (Decimal("0.10"), Decimal("0.05"), Decimal("0.30")),
-    OSS: (Decimal("0.05"), Decimal("0.025"), Decimal("0.0625")),
-}
 WEATHER = {
     "type": "function",
     "function": {
@@ -76,13 +72,6 @@ def upstream(sim: Sim, tag: str) -> dict[str, Any]:
 
 def never_reached(sim: Sim, tag: str) -> None:
     assert sim.tagged(tag) is None, "a request the gateway rejected reached the model server"
-
-
-def expected_cost(model: str, usage: dict[str, Any]) -> Decimal:
-    p_in, p_cached, p_out = PRICES[model]
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    usd = ((usage["prompt_tokens"] - cached) * p_in + cached * p_cached + usage["completion_tokens"] * p_out) / 10**6
-    return usd.quantize(Decimal("1e-9"), rounding=ROUND_HALF_UP)
 
 
 def assert_clean_stream(s: SSE, model: str = QWEN) -> None:
@@ -195,7 +184,7 @@ def test_include_usage_adds_a_final_usage_chunk_with_cost_matching_the_ledger(te
     usage = last["usage"]
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert isinstance(usage["cost"], Decimal) and usage["cost"] > 0
-    assert usage["cost"] == expected_cost(QWEN, usage)
+    assert usage["cost"] == usage_cost(QWEN, usage)
     assert s.data[-2] == last and s.data[-1] == "[DONE]"
     assert all(c.get("usage") is None for c in body)
     event = event_for(tenant, s.headers["x-neocloud-generation-id"])
@@ -246,7 +235,7 @@ def test_every_chunk_names_the_public_model_and_upstream_gets_the_backend_name(
 def test_gpt_5_alias_streams_as_gpt_oss(tenant: Tenant) -> None:
     s = stream(tenant, {"model": "gpt-5", "messages": HELLO, "stream_options": {"include_usage": True}})
     assert_clean_stream(s, OSS)
-    assert s.chunks[-1]["usage"]["cost"] == expected_cost(OSS, s.chunks[-1]["usage"])
+    assert s.chunks[-1]["usage"]["cost"] == usage_cost(OSS, s.chunks[-1]["usage"])
 
 
 # -- the SDK ---------------------------------------------------------------------------------------

@@ -22,27 +22,14 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import ADMIN_KEY, Gateway, Sim, Tenant, catalog_toml, free_port, stop
+from conftest import ADMIN_KEY, Gateway, Sim, Tenant, catalog_cost, catalog_toml, free_port, stop, usage_cost
 
 MILLION = Decimal(1_000_000)
 NANO = Decimal("0.000000001")
-PRICES = {
-    "qwen3-32b": (Decimal("0.10"), Decimal("0.05"), Decimal("0.30")),
-    "gpt-oss-120b": (Decimal("0.05"), Decimal("0.025"), Decimal("0.0625")),
-}
 
 
 def chat_body(content: str = "Hello!", model: str = "qwen3-32b", **extra: Any) -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 60, **extra}
-
-
-def exact_cost(model: str, usage: dict[str, Any]) -> Decimal:
-    """The cost of a request in USD at catalog prices, unrounded."""
-    p_in, p_cached, p_out = PRICES[model]
-    prompt = usage["prompt_tokens"]
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    completion = usage["completion_tokens"]
-    return ((prompt - cached) * p_in + cached * p_cached + completion * p_out) / MILLION
 
 
 def post_json(t: Tenant, body: dict[str, Any]) -> tuple[httpx.Response, dict[str, Any]]:
@@ -141,9 +128,8 @@ def test_stream_without_include_usage_is_still_metered(tenant: Tenant) -> None:
     assert all("usage" not in c or c["usage"] is None for c in chunks), "usage chunk must be removed"
     event = event_by_id(tenant, r.headers["x-neocloud-generation-id"])
     assert event["prompt_tokens"] > 0 and event["completion_tokens"] > 0
-    expected = exact_cost("qwen3-32b", {"prompt_tokens": event["prompt_tokens"],
-                                        "prompt_tokens_details": {"cached_tokens": event["cached_tokens"]},
-                                        "completion_tokens": event["completion_tokens"]})
+    expected = catalog_cost("qwen3-32b", event["prompt_tokens"], event["cached_tokens"], event["completion_tokens"],
+                            rounded=False)
     assert Decimal(event["cost"]) == expected > 0
 
 
@@ -151,7 +137,7 @@ def test_alias_is_metered_under_the_model_id(tenant: Tenant) -> None:
     r, data = post_json(tenant, chat_body(model="claude-sonnet-4-5"))
     event = event_by_id(tenant, r.headers["x-neocloud-generation-id"])
     assert event["model"] == "qwen3-32b"
-    assert Decimal(event["cost"]) == exact_cost("qwen3-32b", data["usage"]) == data["usage"]["cost"]
+    assert Decimal(event["cost"]) == usage_cost("qwen3-32b", data["usage"], rounded=False) == data["usage"]["cost"]
 
 
 def test_sdk_usage_matches_the_event(tenant: Tenant) -> None:
@@ -175,7 +161,7 @@ def test_qwen_cost_is_exact_from_catalog_prices(tenant: Tenant, stream: bool) ->
     else:
         r, data = post_json(tenant, body)
         usage = data["usage"]
-    expected = exact_cost("qwen3-32b", usage)
+    expected = usage_cost("qwen3-32b", usage, rounded=False)
     assert expected == expected.quantize(NANO), "qwen3 prices are whole nanodollars per token"
     event = event_by_id(tenant, r.headers["x-neocloud-generation-id"])
     assert Decimal(event["cost"]) == expected
@@ -187,7 +173,7 @@ def test_gpt_oss_cost_is_within_half_a_nanodollar(tenant: Tenant, max_tokens: in
     """gpt-oss output costs 62.5 nanodollars a token: amounts are whole nanodollars, rounded once."""
     r, data = post_json(tenant, chat_body(model="gpt-oss-120b", max_tokens=max_tokens))
     usage = data["usage"]
-    exact = exact_cost("gpt-oss-120b", usage)
+    exact = usage_cost("gpt-oss-120b", usage, rounded=False)
     event = event_by_id(tenant, r.headers["x-neocloud-generation-id"])
     cost = Decimal(event["cost"])
     assert cost == cost.quantize(NANO)
@@ -210,8 +196,8 @@ def test_cached_tokens_are_billed_at_the_cached_price(tenant: Tenant) -> None:
     e1 = event_by_id(tenant, r1.headers["x-neocloud-generation-id"])
     e2 = event_by_id(tenant, r2.headers["x-neocloud-generation-id"])
     assert e2["cached_tokens"] == cached
-    assert Decimal(e1["cost"]) == exact_cost("qwen3-32b", u1)
-    assert Decimal(e2["cost"]) == exact_cost("qwen3-32b", u2) == u2["cost"]
+    assert Decimal(e1["cost"]) == usage_cost("qwen3-32b", u1, rounded=False)
+    assert Decimal(e2["cost"]) == usage_cost("qwen3-32b", u2, rounded=False) == u2["cost"]
     if u1["completion_tokens"] == u2["completion_tokens"]:
         saving = cached * (Decimal("0.10") - Decimal("0.05")) / MILLION
         assert Decimal(e1["cost"]) - Decimal(e2["cost"]) == saving
@@ -225,7 +211,7 @@ def test_cached_tokens_in_a_stream(tenant: Tenant) -> None:
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
     event = event_by_id(tenant, r.headers["x-neocloud-generation-id"])
     assert event["cached_tokens"] == usage["prompt_tokens_details"]["cached_tokens"]
-    assert Decimal(event["cost"]) == exact_cost("qwen3-32b", usage) == usage["cost"]
+    assert Decimal(event["cost"]) == usage_cost("qwen3-32b", usage, rounded=False) == usage["cost"]
 
 
 # -- totals --------------------------------------------------------------------------------
@@ -334,9 +320,8 @@ def test_client_leaving_mid_stream_is_billed_for_what_was_generated(tenant: Tena
     assert event["status"] == "cancelled"
     assert event["prompt_tokens"] > 0
     assert seen - 1 <= event["completion_tokens"] < 150
-    expected = exact_cost("qwen3-32b", {"prompt_tokens": event["prompt_tokens"],
-                                        "prompt_tokens_details": {"cached_tokens": event["cached_tokens"]},
-                                        "completion_tokens": event["completion_tokens"]})
+    expected = catalog_cost("qwen3-32b", event["prompt_tokens"], event["cached_tokens"], event["completion_tokens"],
+                            rounded=False)
     assert Decimal(event["cost"]) == expected > 0
     org = tenant.org()
     assert Decimal(org["total_granted"]) - Decimal(org["credits"]) == Decimal(event["cost"])

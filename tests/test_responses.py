@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import json
 import uuid
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from conftest import QWEN_UPSTREAM, Sim, Tenant
+from conftest import QWEN_UPSTREAM, Sim, Tenant, catalog_cost
 
 QWEN = "qwen3-32b"
 OSS = "gpt-oss-120b"
-PRICES = {QWEN: (Decimal("0.10"), Decimal("0.05"), Decimal("0.30"))}
 WEATHER = {
     "type": "function", "name": "get_weather", "description": "Current weather for a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "strict": False,
@@ -53,12 +52,6 @@ def post(tenant: Tenant, body: dict[str, Any]) -> httpx.Response:
         return client.post("/v1/responses", json=body)
 
 
-def cost_of(model: str, prompt: int, cached: int, completion: int) -> Decimal:
-    p_in, p_cached, p_out = PRICES[model]
-    usd = ((prompt - cached) * p_in + cached * p_cached + completion * p_out) / 10**6
-    return usd.quantize(Decimal("1e-9"), rounding=ROUND_HALF_UP)
-
-
 # -- the response object ----------------------------------------------------------------------
 
 
@@ -81,7 +74,7 @@ def test_text_response_object_usage_and_ledger(tenant: Tenant, sim: Sim) -> None
     # The JSON body is OpenAI-shaped: usage.cost as deducted (only the stream events omit it).
     shown = Decimal(json.loads(raw.http_response.text, parse_float=Decimal)["usage"]["cost"])
     cached = u.input_tokens_details.cached_tokens
-    assert Decimal(ev["cost"]) == shown == cost_of(QWEN, u.input_tokens, cached, u.output_tokens)
+    assert Decimal(ev["cost"]) == shown == catalog_cost(QWEN, u.input_tokens, cached, u.output_tokens)
 
 
 def test_input_items_become_chat_messages(tenant: Tenant, sim: Sim) -> None:
@@ -357,7 +350,7 @@ def test_same_prompt_through_chat_completions_and_responses_costs_the_same(tenan
     assert len({(e["prompt_tokens"], e["cached_tokens"], e["completion_tokens"], e["cost"]) for e in picked}) == 1, \
         picked
     e = picked[0]
-    assert Decimal(e["cost"]) == cost_of(QWEN, e["prompt_tokens"], 0, e["completion_tokens"]) > 0
+    assert Decimal(e["cost"]) == catalog_cost(QWEN, e["prompt_tokens"], 0, e["completion_tokens"]) > 0
 
 
 def test_models_list_carries_codex_metadata_beside_the_openai_list(tenant: Tenant) -> None:

@@ -68,12 +68,6 @@ class Upstream:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
-    async def get_json(self, url: str, timeout_s: float = 5.0) -> object:
-        assert self.session is not None
-        async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-            resp.raise_for_status()
-            return await resp.json(loads=orjson.loads, content_type=None)
-
     async def post_json(self, backend: Backend, url: str, payload: object, timeout_s: float = 10.0) -> object:
         assert self.session is not None
         headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None

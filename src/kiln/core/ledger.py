@@ -30,7 +30,6 @@ class Ledger:
         self.store = store
         self._queue: asyncio.Queue[tuple[UsageEvent, asyncio.Future[None]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
-        self.committed = 0
 
     async def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="kiln-ledger")
@@ -77,7 +76,6 @@ class Ledger:
                     log.exception("usage commit failed for %d events; retrying in %.2fs", len(events), delay)
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, 5.0)
-            self.committed += len(events)
             for _, fut in batch:
                 if not fut.done():
                     fut.set_result(None)

@@ -6,7 +6,7 @@ API. Amounts are integer nanodollars (see money.py); times are Unix seconds.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from kiln.core.money import nano_to_usd_str
@@ -117,11 +117,9 @@ class UsageEvent:
     cancelled: bool = False
     ttft_ms: float | None = None
     duration_ms: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)
-        d.pop("extra")
         d["cost"] = nano_to_usd_str(d.pop("cost_nano"))
         return d
 

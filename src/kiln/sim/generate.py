@@ -254,14 +254,7 @@ def plan_chat(
         plan.completion_tokens += len(pieces)
         plan.finish_reason = "stop" if named_choice else "tool_calls"
         return plan
-    reply = sim.get("reply")
-    if isinstance(reply, str):
-        pieces = tokenizer.split(reply)
-    else:
-        n = sim.get("reply_tokens")
-        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else reply_tokens
-        pieces = list(default_words(seed, prompt, n))
-    finish_text(plan, pieces, budget, stops, include_stop)
+    finish_text(plan, reply_pieces(seed, prompt, reply_tokens, sim), budget, stops, include_stop)
     return plan
 
 
@@ -277,15 +270,18 @@ def plan_completion(
 ) -> Plan:
     """Plan for /v1/completions: plain text only."""
     plan = Plan()
+    finish_text(plan, reply_pieces(seed, prompt, reply_tokens, sim), max_tokens, stops, include_stop)
+    return plan
+
+
+def reply_pieces(seed: int, prompt: str, reply_tokens: int, sim: dict[str, Any]) -> list[str]:
+    """The reply's tokens: `sim.reply` tokenized, else `sim.reply_tokens` (or the default) words."""
     reply = sim.get("reply")
     if isinstance(reply, str):
-        pieces = tokenizer.split(reply)
-    else:
-        n = sim.get("reply_tokens")
-        n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else reply_tokens
-        pieces = list(default_words(seed, prompt, n))
-    finish_text(plan, pieces, max_tokens, stops, include_stop)
-    return plan
+        return tokenizer.split(reply)
+    n = sim.get("reply_tokens")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else reply_tokens
+    return list(default_words(seed, prompt, n))
 
 
 def completion_logprobs(pieces: list[str], top: int, offset: int) -> dict[str, Any]:
