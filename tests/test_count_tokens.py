@@ -12,7 +12,9 @@ from typing import Any
 import anthropic
 import pytest
 
-from conftest import Gateway, Sim, Tenant
+from concurrent.futures import ThreadPoolExecutor
+
+from conftest import Gateway, Sim, Tenant, catalog_toml, start_gateway, stop
 from test_messages import QWEN, WEATHER, assert_anthropic_error, post, sdk
 
 COUNT = "/v1/messages/count_tokens"
@@ -87,12 +89,35 @@ def test_errors_in_anthropic_shape(gateway: Gateway, tenant: Tenant) -> None:
     assert_anthropic_error(post(suspended, hello, path=COUNT), 403, "permission_error")
 
 
-def test_rate_limited_like_everything_else(gateway: Gateway) -> None:
-    tenant = gateway.new_key(rpm_limit=2)
+def test_takes_no_generation_slot_and_no_request_of_the_minute(gateway: Gateway) -> None:
+    """Claude Code's /context fires a few dozen counts at once: none may be refused for the
+    generation limits (8 in flight, requests per minute), and none may use them up."""
+    tenant = gateway.new_key(rpm_limit=2, concurrency_limit=2)
     hello = {"model": QWEN, "messages": [{"role": "user", "content": "Hi"}]}
-    assert post(tenant, hello, path=COUNT).status_code == 200
+    with ThreadPoolExecutor(26) as pool:
+        statuses = list(pool.map(lambda _: post(tenant, hello, path=COUNT).status_code, range(26)))
+    assert statuses == [200] * 26
     assert post(tenant, {**hello, "max_tokens": 10}).status_code == 200
-    assert_anthropic_error(post(tenant, hello, path=COUNT), 429, "rate_limit_error")
+    assert post(tenant, {**hello, "max_tokens": 10}).status_code == 200
+    assert_anthropic_error(post(tenant, {**hello, "max_tokens": 10}), 429, "rate_limit_error")
+    assert post(tenant, hello, path=COUNT).status_code == 200  # its own window
+
+
+def test_has_its_own_per_minute_limit(sim: Sim) -> None:
+    gw = start_gateway(catalog_toml(sim.url).replace("[limits]", "[limits]\ncount_tokens_rpm = 3"),
+                       env={"KILN_TEST_CLOCK": "1"})
+    try:
+        tenant = gw.new_key()
+        hello = {"model": QWEN, "messages": [{"role": "user", "content": "Hi"}]}
+        assert [post(tenant, hello, path=COUNT).status_code for _ in range(3)] == [200] * 3
+        refused = post(tenant, hello, path=COUNT)
+        assert_anthropic_error(refused, 429, "rate_limit_error")
+        assert int(refused.headers["retry-after"]) >= 1
+        assert post(tenant, {**hello, "max_tokens": 10}).status_code == 200  # generations unaffected
+        gw.admin.post("/clock", json={"seconds": 61})
+        assert post(tenant, hello, path=COUNT).status_code == 200
+    finally:
+        stop(gw.proc)
 
 
 def test_estimate_only_when_no_backend_can_count(tenant: Tenant, gateway: Gateway) -> None:

@@ -101,7 +101,7 @@ async def get_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
         "usage_events": totals["events"],
         "total_spend": nano_to_usd_str(totals["cost_nano"]),
         "total_granted": nano_to_usd_str(totals["granted_nano"]),
-        "in_flight": gw.admission.in_flight(org.id),
+        "in_flight": (await gw.admission.state(None, org))["in_flight"],
     }
 
 

@@ -130,7 +130,7 @@ async def key_info(request: Request) -> Response:
     if key.expires_at is not None and key.expires_at <= CLOCK.time():
         return _error(errors.unauthorized("This API key has expired."))
     project = gw.accounts.projects[key.project_id]
-    limits = gw.admission.state(key, gw.accounts.org(key.org_id))
+    limits = await gw.admission.state(key, gw.accounts.org(key.org_id))
     spendable = limits.pop("spendable_nano")
     return _json(
         {

@@ -36,6 +36,7 @@ class Limits:
     rpm: int = 60
     tpm: int | None = None
     concurrency: int = 8
+    count_tokens_rpm: int = 1200  # count_tokens calls per minute: no inference, no in-flight slot
 
 
 @dataclass
@@ -70,7 +71,8 @@ _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "connect_timeout_s": (int, float), "backend_retry_s": (int, float), "refresh_s": (int, float),
     "log_level": str,
 }
-_LIMIT_FIELDS: dict[str, type | tuple[type, ...]] = {"rpm": int, "tpm": int, "concurrency": int}
+_LIMIT_FIELDS: dict[str, type | tuple[type, ...]] = {"rpm": int, "tpm": int, "concurrency": int,
+                                                      "count_tokens_rpm": int}
 _MODEL_FIELDS = {
     "id", "aliases", "backends", "context_window", "max_output_tokens", "prices",
     "capabilities", "family", "owned_by", "simulated",

@@ -123,23 +123,26 @@ class Gateway:
             upstream_body = tr.request(body)
             if self.maintenance.active:
                 raise self.maintenance.error()
-            ticket = self.admission.admit(key, self.accounts.org(key.org_id), _demand(tr, upstream_body, len(raw)))
+            generation_id = new_generation_id()
+            ticket = await self.admission.admit(
+                key, self.accounts.org(key.org_id), _demand(tr, upstream_body, len(raw)), generation_id
+            )
         except GatewayError as err:
             return _reply(tr, err)
         if ticket.capped:  # the money left covers less output than asked: ask the backend for less
             upstream_body.pop("max_completion_tokens", None)
-            upstream_body["max_tokens"] = ticket.output_tokens
-        call = _Call(key, tr, ticket, started, new_generation_id(), body=upstream_body)
+            upstream_body["max_tokens"] = ticket.output_tokens // ticket.outputs
+        call = _Call(key, tr, ticket, started, generation_id, body=upstream_body)
         self.in_flight += 1
         try:
             if tr.stream:
                 return await self._start_stream(call, request)
             return await self._complete(call, request)
         except GatewayError as err:
-            self._finish(call)
+            await self._finish(call)
             return _reply(tr, err)
         except BaseException:
-            self._finish(call)
+            await self._finish(call)
             raise
 
     # -- calling the backend ------------------------------------------------
@@ -231,7 +234,7 @@ class Gateway:
                     await write(call.tr.stream_error(err))
                     return
                 except BaseException:
-                    self._finish(call)
+                    await self._finish(call)
                     raise
                 await self._pump(call, resp, write)
 
@@ -262,7 +265,7 @@ class Gateway:
                             raise
                         if tr.done:
                             break
-                        if tr.chunks >= call.ticket.output_tokens and not self._extend(call):
+                        if tr.chunks >= call.ticket.output_tokens and not await self._extend(call):
                             # The money left covers no more output: end cleanly, as if at max_tokens.
                             frames.append(tr.truncate(BUDGET_NOTE))
                             tr.done = True
@@ -324,15 +327,16 @@ class Gateway:
             ttft_ms=call.ttft_ms,
             duration_ms=(time.monotonic() - call.started) * 1000,
         )
-        if not call.ticket.released:
-            self.accounts.charge(event)  # with settle: no await between them
-            self._finish(call, u.prompt_tokens + u.completion_tokens)
+        await self._finish(call, event.cost_nano, u.prompt_tokens + u.completion_tokens)
         await self.ledger.record(event)
         return event
 
-    def _extend(self, call: _Call) -> bool:
-        key = call.key
-        return self.admission.extend(call.ticket, key, self.accounts.org(key.org_id)) > 0
+    async def _extend(self, call: _Call) -> bool:
+        key, u = call.key, call.tr.usage
+        delivered = call.tr.model.prices.cost_nano(u.prompt_tokens, u.cached_tokens,
+                                                   max(u.completion_tokens, call.tr.chunks))
+        return await self.admission.extend(call.ticket, key, self.accounts.org(key.org_id),
+                                           delivered_nano=delivered) > 0
 
     async def _estimate_usage(self, call: _Call) -> None:
         """Usage when the backend never reported it (client left, stream cut).
@@ -355,11 +359,12 @@ class Gateway:
             u.prompt_tokens = len(orjson.dumps(payload.get("messages") or payload.get("prompt") or "")) // 4
             log.warning("usage for %s estimated without the backend's tokenizer", call.generation_id)
 
-    def _finish(self, call: _Call, tokens: int = 0) -> None:
-        """Release the request's admission (reservation and slot); idempotent."""
+    async def _finish(self, call: _Call, cost_nano: int = 0, tokens: int = 0) -> None:
+        """Charge the cost and release the request's admission (reservation and slot); idempotent."""
         if not call.ticket.released:
-            self.admission.settle(call.ticket, tokens)
             self.in_flight -= 1
+            key = call.key
+            await self.admission.settle(call.ticket, key, self.accounts.org(key.org_id), cost_nano, tokens)
 
 
 def _demand(tr: Translator, body: dict[str, Any], body_bytes: int) -> Demand:
@@ -374,6 +379,8 @@ def _demand(tr: Translator, body: dict[str, Any], body_bytes: int) -> Demand:
         output_nano_per_token=prices.output * 1000,
         max_output_tokens=max_output,
         stream=tr.stream,
+        model=tr.model.id,
+        endpoint=tr.endpoint,
     )
 
 

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from kiln.core import errors
 from kiln.core.clock import CLOCK
 from kiln.core.keys import ADMIN_PREFIX, display_prefix, hash_key, new_key, same_hash
-from kiln.core.records import KEY_STATUSES, ApiKey, Org, Project, UsageEvent
+from kiln.core.records import KEY_STATUSES, ApiKey, Org, Project
 from kiln.store.base import Store
 
 ADMIN_HASH_META = "admin_key_hash"
@@ -77,6 +77,20 @@ def roll_periods(org: Org | None, key: ApiKey | None, now: float) -> None:
         period = period_of(key.spend_reset, now)
         if key.period != period:
             key.period, key.period_spend_nano = period, 0
+
+
+def charge(org: Org | None, key: ApiKey | None, cost_nano: int, now: float) -> None:
+    """Apply a request's cost to the cached balances (its usage event commits right after), so
+    admission sees every settled request, committed or not."""
+    if not cost_nano:
+        return
+    roll_periods(org, key, now)
+    if org is not None:
+        org.credits_nano -= cost_nano
+        org.month_spend_nano += cost_nano
+    if key is not None:
+        key.spend_nano += cost_nano
+        key.period_spend_nano += cost_nano
 
 
 _ORG_SETTINGS = ("name", "monthly_budget_nano", "rpm_limit", "tpm_limit", "concurrency_limit")
@@ -167,21 +181,6 @@ class Accounts:
         if key.status != "active":
             raise errors.forbidden(f"This API key is {key.status}.", code=f"key_{key.status}")
         return key
-
-    def charge(self, event: UsageEvent) -> None:
-        """Apply a request's cost to the cached balances at once (its event commits right after),
-        so admission sees every settled request, committed or not."""
-        if not event.cost_nano:
-            return
-        org = self.orgs.get(event.org_id)
-        key = self.keys.get(event.key_id)
-        roll_periods(org, key, event.created_at)
-        if org is not None:
-            org.credits_nano -= event.cost_nano
-            org.month_spend_nano += event.cost_nano
-        if key is not None:
-            key.spend_nano += event.cost_nano
-            key.period_spend_nano += event.cost_nano
 
     # -- admin credential ---------------------------------------------------
 

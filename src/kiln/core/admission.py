@@ -35,7 +35,7 @@ from typing import Protocol
 
 from kiln.config import Limits
 from kiln.core import errors
-from kiln.core.accounts import roll_periods
+from kiln.core.accounts import charge, roll_periods
 from kiln.core.clock import CLOCK
 from kiln.core.records import ApiKey, Org
 
@@ -44,23 +44,36 @@ OUTPUT_BLOCK = 512  # tokens a stream reserves at a time
 
 @dataclass(slots=True)
 class Demand:
-    """What a request may cost: prompt upper bound and output, in nanodollars per token."""
+    """What a request may cost and what it is, as admission needs to know it.
+
+    `outputs` is how many completions the backend generates for it (prompts x n
+    on legacy completions, n on chat): each may run to `max_output_tokens`.
+    `kind` "count" is a count_tokens call: no money, no in-flight slot, its own
+    per-minute window (it runs no inference).
+    """
 
     prompt_tokens_max: int
     input_nano_per_token: Decimal
     output_nano_per_token: Decimal
-    max_output_tokens: int
+    max_output_tokens: int  # per output
     stream: bool
+    outputs: int = 1
+    model: str = ""
+    endpoint: str = ""
+    kind: str = "generation"  # "generation" | "count"
 
 
 @dataclass(slots=True)
 class Ticket:
     org_id: str
     key_id: str
+    generation_id: str = ""
     reserved_nano: int = 0
-    output_tokens: int = 0  # output tokens the reservation covers
+    output_tokens: int = 0  # output tokens the reservation covers, all outputs together
     output_nano_per_token: Decimal = Decimal(0)
-    capped: bool = False  # a non-streaming request's max_tokens must be lowered to output_tokens
+    capped: bool = False  # a non-streaming request's max_tokens must be lowered (per output: output_tokens // outputs)
+    outputs: int = 1
+    kind: str = "generation"
     released: bool = False
 
 
@@ -94,16 +107,34 @@ class _State:
     reserved_nano: int = 0
     requests: _Window = field(default_factory=_Window)
     tokens: _Window = field(default_factory=_Window)
+    counts: _Window = field(default_factory=_Window)  # count_tokens calls
 
 
 class AdmissionControl(Protocol):
-    """What the pipeline needs; MemoryAdmission here, a Redis one for several replicas."""
+    """What the pipeline needs; MemoryAdmission here, RedisAdmission for several processes.
 
-    def admit(self, key: ApiKey, org: Org, demand: Demand) -> Ticket: ...
-    def extend(self, ticket: Ticket, key: ApiKey, org: Org, tokens: int = OUTPUT_BLOCK) -> int: ...
-    def settle(self, ticket: Ticket, tokens: int = 0) -> None: ...
-    def state(self, key: ApiKey, org: Org) -> dict[str, object]: ...
-    def in_flight(self, org_id: str) -> int: ...
+    Every call is a coroutine so a distributed implementation can make each one
+    a single atomic round trip; the in-process one never awaits inside, so each
+    call is atomic there too.
+    """
+
+    async def admit(self, key: ApiKey, org: Org, demand: Demand, generation_id: str = "") -> Ticket:
+        """Check and reserve everything together, or raise the first failing reason (402/429)."""
+
+    async def extend(self, ticket: Ticket, key: ApiKey, org: Org, tokens: int = OUTPUT_BLOCK,
+                     delivered_nano: int = 0) -> int:
+        """Reserve up to `tokens` more output for a running stream; returns how many.
+
+        `delivered_nano` is what the stream has cost so far (what to bill if the
+        process serving it dies before it ends)."""
+
+    async def settle(self, ticket: Ticket, key: ApiKey, org: Org, cost_nano: int = 0, tokens: int = 0) -> None:
+        """End of a request: charge its real cost, release its reservation and slot, count its
+        tokens, all in one step; idempotent."""
+
+    async def state(self, key: ApiKey | None, org: Org) -> dict[str, object]:
+        """What the key (or, without one, the organisation) can still spend and its rate-limit
+        state (GET /v1/key, admin)."""
 
 
 class MemoryAdmission:
@@ -116,33 +147,35 @@ class MemoryAdmission:
 
     # -- the four calls -------------------------------------------------------
 
-    def admit(self, key: ApiKey, org: Org, demand: Demand) -> Ticket:
+    async def admit(self, key: ApiKey, org: Org, demand: Demand, generation_id: str = "") -> Ticket:
         roll_periods(org, key, CLOCK.time())
         org_state = self._orgs.setdefault(org.id, _State())
         key_state = self._keys.setdefault(key.id, _State())
+        now = CLOCK.monotonic()
+        if demand.kind == "count":
+            _check_counts(org_state, self.defaults.count_tokens_rpm, now)
+            org_state.counts.add(now, 1)
+            return Ticket(org.id, key.id, generation_id, kind="count", released=True)
         available, scope = self._available(key, org, org_state, key_state)
         prompt_nano = _ceil(demand.prompt_tokens_max * demand.input_nano_per_token)
         if available <= prompt_nano:
             raise _payment_error(scope, available <= 0)
-        now = CLOCK.monotonic()
         self._check_rates(org_state, org.concurrency_limit or self.defaults.concurrency,
                           org.rpm_limit or self.defaults.rpm, org.tpm_limit or self.defaults.tpm, now, "organisation")
         self._check_rates(key_state, key.concurrency_limit, key.rpm_limit, key.tpm_limit, now, "key")
-        want = min(demand.max_output_tokens, OUTPUT_BLOCK) if demand.stream else demand.max_output_tokens
-        affordable = _affordable(available - prompt_nano, demand.output_nano_per_token)
-        output = min(want, affordable)
-        if output < 1 <= want:
-            raise _payment_error(scope, False)
-        ticket = Ticket(org.id, key.id, output_nano_per_token=demand.output_nano_per_token,
-                        output_tokens=output, capped=not demand.stream and output < want)
-        self._reserve(ticket, prompt_nano + _ceil(output * demand.output_nano_per_token))
+        ticket = _ticket(org, key, demand, generation_id, available - prompt_nano, scope)
+        self._reserve(ticket, prompt_nano + _ceil(ticket.output_tokens * demand.output_nano_per_token))
         for state in (org_state, key_state):
             state.in_flight += 1
             state.requests.add(now, 1)
         return ticket
 
-    def extend(self, ticket: Ticket, key: ApiKey, org: Org, tokens: int = OUTPUT_BLOCK) -> int:
-        """Reserve up to `tokens` more output tokens for a running stream; returns how many."""
+    async def extend(self, ticket: Ticket, key: ApiKey, org: Org, tokens: int = OUTPUT_BLOCK,
+                     delivered_nano: int = 0) -> int:
+        """Reserve up to `tokens` more output tokens for a running stream; returns how many.
+
+        In one process a stream cannot outlive its gateway, so `delivered_nano`
+        needs no record here."""
         if ticket.released:
             return 0
         available, _ = self._available(key, org, self._orgs[org.id], self._keys[key.id])
@@ -152,15 +185,13 @@ class MemoryAdmission:
             ticket.output_tokens += granted
         return granted
 
-    def settle(self, ticket: Ticket, tokens: int = 0) -> None:
-        """End of a request: release its reservation and slot, count its tokens.
-
-        The caller charges the real cost in the same step (Accounts.charge),
-        with no await in between, so no other request sees neither.
-        """
+    async def settle(self, ticket: Ticket, key: ApiKey, org: Org, cost_nano: int = 0, tokens: int = 0) -> None:
+        """Charge the real cost and release the reservation and slot, with no await in between,
+        so no other request ever sees one without the other."""
         if ticket.released:
             return
         ticket.released = True
+        charge(org, key, cost_nano, CLOCK.time())
         now = CLOCK.monotonic()
         for state in (self._orgs[ticket.org_id], self._keys[ticket.key_id]):
             state.in_flight -= 1
@@ -168,11 +199,11 @@ class MemoryAdmission:
             if tokens:
                 state.tokens.add(now, tokens)
 
-    def state(self, key: ApiKey, org: Org) -> dict[str, object]:
-        """What the key can still spend and its rate-limit state (GET /v1/key)."""
+    async def state(self, key: ApiKey | None, org: Org) -> dict[str, object]:
+        """What the key (or the organisation) can still spend and its rate-limit state."""
         roll_periods(org, key, CLOCK.time())
         org_state = self._orgs.get(org.id) or _State()
-        key_state = self._keys.get(key.id) or _State()
+        key_state = (self._keys.get(key.id) if key is not None else None) or _State()
         available, scope = self._available(key, org, org_state, key_state)
         now = CLOCK.monotonic()
         rpm = org.rpm_limit or self.defaults.rpm
@@ -190,18 +221,14 @@ class MemoryAdmission:
             "concurrency_limit": org.concurrency_limit or self.defaults.concurrency,
         }
 
-    def in_flight(self, org_id: str) -> int:
-        state = self._orgs.get(org_id)
-        return state.in_flight if state else 0
-
     # -- helpers ------------------------------------------------------------------
 
-    def _available(self, key: ApiKey, org: Org, org_state: _State, key_state: _State) -> tuple[int, str]:
+    def _available(self, key: ApiKey | None, org: Org, org_state: _State, key_state: _State) -> tuple[int, str]:
         """Money left after reservations, and which limit binds."""
         left = [(org.credits_nano - org_state.reserved_nano, "credits")]
         if org.monthly_budget_nano is not None:
             left.append((org.monthly_budget_nano - org.month_spend_nano - org_state.reserved_nano, "budget"))
-        if key.spend_limit_nano is not None:
+        if key is not None and key.spend_limit_nano is not None:
             left.append((key.spend_limit_nano - key.period_spend_nano - key_state.reserved_nano, "key"))
         return min(left)
 
@@ -249,6 +276,32 @@ def _affordable(nano: int, per_token: Decimal) -> int:
     if per_token <= 0:
         return 1 << 40
     return int(nano // per_token)
+
+
+def _ticket(org: Org, key: ApiKey, demand: Demand, generation_id: str, money_left: int, scope: str) -> Ticket:
+    """The output a new request may reserve: one block per output for a stream, the whole
+    output otherwise, lowered to what `money_left` covers (402 when not one token each)."""
+    outputs = max(demand.outputs, 1)
+    per_output = min(demand.max_output_tokens, OUTPUT_BLOCK) if demand.stream else demand.max_output_tokens
+    want = per_output * outputs
+    output = min(want, _affordable(money_left, demand.output_nano_per_token))
+    if want >= 1 and output < outputs:
+        raise _payment_error(scope, False)
+    if not demand.stream and output < want:
+        output -= output % outputs  # an equal cap for every output
+    return Ticket(org.id, key.id, generation_id, output_tokens=output,
+                  output_nano_per_token=demand.output_nano_per_token,
+                  capped=not demand.stream and output < want, outputs=outputs, kind=demand.kind)
+
+
+def _check_counts(state: _State, limit: int, now: float) -> None:
+    """count_tokens has its own window: it runs no inference, and Claude Code fires dozens at once."""
+    if state.counts.used(now) >= limit:
+        reset = state.counts.reset_in(now)
+        raise errors.rate_limited(
+            f"This organisation reached its limit of {limit} token counts per minute. Retry in {reset} s.",
+            headers={"x-ratelimit-reset": str(reset), "retry-after": str(reset)},
+        )
 
 
 _PAYMENT = {

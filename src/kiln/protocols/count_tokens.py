@@ -4,8 +4,8 @@ The request is converted exactly as POST /v1/messages would convert it
 (system, tools, thinking switch: the chat template renders all of them),
 then counted by the backend's tokenizer through its chat template (vLLM and
 SGLang `/tokenize`, messages form). Runs no inference and is not billed: no
-usage event, no generation id. It is authenticated, and admitted and
-rate-limited like any request, with nothing to reserve. Only if no backend
+usage event, no generation id. It is authenticated and rate-limited by its own
+per-minute window (no money, no in-flight slot: it runs no inference). Only if no backend
 can count does Kiln estimate, and says so in the log.
 """
 
@@ -29,8 +29,8 @@ from kiln.protocols.messages import MessagesTranslator
 
 log = logging.getLogger("kiln.messages")
 
-_NOTHING = Demand(prompt_tokens_max=0, input_nano_per_token=Decimal(0), output_nano_per_token=Decimal(0),
-                  max_output_tokens=0, stream=False)
+_COUNT = Demand(prompt_tokens_max=0, input_nano_per_token=Decimal(0), output_nano_per_token=Decimal(0),
+                max_output_tokens=0, stream=False, endpoint="messages.count_tokens", kind="count")
 _TEMPLATE_KEYS = ("tools", "chat_template_kwargs", "continue_final_message", "add_generation_prompt")
 
 
@@ -42,14 +42,11 @@ async def count_tokens(request: Request) -> Response:
         chat = tr.prompt(body)
         if gw.maintenance.active:
             raise gw.maintenance.error()
-        ticket = gw.admission.admit(key, gw.accounts.org(key.org_id), _NOTHING)
+        await gw.admission.admit(key, gw.accounts.org(key.org_id), _COUNT)
     except GatewayError as err:
         reply = tr.error(err)
         return Response(reply.body, status_code=reply.status, media_type=reply.media_type, headers=reply.headers)
-    try:
-        count = await _count(gw, tr.model, chat)
-    finally:
-        gw.admission.settle(ticket)
+    count = await _count(gw, tr.model, chat)
     if count is None:
         count = tr.prompt_estimate
         log.warning("count_tokens for %s is an estimate: no backend tokenizer answered", tr.model.id)
