@@ -21,7 +21,7 @@ import pytest
 from conftest import Gateway, Sim, Tenant
 from kiln.catalog import Backend, Catalog, Model
 from kiln.core.money import Prices
-from kiln.protocols.messages import MessagesTranslator
+from kiln.protocols.anthropic.messages import MessagesTranslator
 from test_messages import OSS, QWEN, WEATHER, ask, script, sdk
 
 TWO_CALLS = [{"name": "get_weather", "arguments": {"city": "Paris"}},

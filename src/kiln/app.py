@@ -34,11 +34,11 @@ from kiln.core.money import nano_to_usd_str
 from kiln.http import StreamResponse
 from kiln.pipeline import Gateway
 from kiln.protocols.base import Reply, Translator, openai_error
-from kiln.protocols.chat import ChatTranslator
-from kiln.protocols.completions import CompletionsTranslator
-from kiln.protocols.count_tokens import count_tokens
-from kiln.protocols.messages import MessagesTranslator
-from kiln.protocols.responses import responses_protocol
+from kiln.protocols.openai.chat import ChatTranslator
+from kiln.protocols.openai.completions import CompletionsTranslator
+from kiln.protocols.anthropic.count_tokens import count_tokens
+from kiln.protocols.anthropic.messages import MessagesTranslator
+from kiln.protocols.openai.responses import responses_protocol
 from kiln.router import Router
 from kiln.store import make_store
 from kiln.upstream import Upstream

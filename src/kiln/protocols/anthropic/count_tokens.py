@@ -25,7 +25,7 @@ from kiln.core.admission import Demand
 from kiln.core.errors import GatewayError
 from kiln.pipeline import Gateway
 from kiln.protocols.base import JSON
-from kiln.protocols.messages import MessagesTranslator
+from kiln.protocols.anthropic.messages import MessagesTranslator
 
 log = logging.getLogger("kiln.messages")
 

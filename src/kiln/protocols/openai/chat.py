@@ -18,7 +18,7 @@ from typing import Any
 from kiln.catalog import Catalog, Model
 from kiln.core import errors
 from kiln.protocols.base import as_bool
-from kiln.protocols.openai_base import OpenAITranslator
+from kiln.protocols.openai.passthrough import OpenAITranslator
 from kiln.protocols.stop import StopMatcher, cut_at_stop
 
 ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})

@@ -17,8 +17,8 @@ from typing import Any
 from kiln.catalog import Catalog
 from kiln.core import errors
 from kiln.protocols.base import as_bool
-from kiln.protocols.chat import lookup_model, parse_stop
-from kiln.protocols.openai_base import OpenAITranslator
+from kiln.protocols.openai.chat import lookup_model, parse_stop
+from kiln.protocols.openai.passthrough import OpenAITranslator
 from kiln.protocols.stop import StopMatcher, cut_at_stop
 
 DEFAULT_MAX_TOKENS = 16

@@ -22,7 +22,7 @@ import orjson
 from kiln.catalog import Model
 from kiln.core import errors
 from kiln.protocols.base import as_bool
-from kiln.protocols.responses_reasoning import ReasoningSeal
+from kiln.protocols.openai.responses_reasoning import ReasoningSeal
 
 ENCRYPTED = "reasoning.encrypted_content"
 STATELESS = (

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import orjson
 
-from kiln.protocols.responses_reasoning import ReasoningSeal
+from kiln.protocols.openai.responses_reasoning import ReasoningSeal
 
 log = logging.getLogger("kiln.responses")
 

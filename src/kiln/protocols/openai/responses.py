@@ -29,11 +29,11 @@ from kiln.core import errors
 from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
 from kiln.protocols.base import SSE, Reply, as_bool, openai_error
-from kiln.protocols.chat import lookup_model
-from kiln.protocols.openai_base import cost_fragment
-from kiln.protocols.responses_input import MappedRequest, map_request
-from kiln.protocols.responses_output import EventStream, Items, new_id
-from kiln.protocols.responses_reasoning import ReasoningSeal, reasoning_key
+from kiln.protocols.openai.chat import lookup_model
+from kiln.protocols.openai.passthrough import cost_fragment
+from kiln.protocols.openai.responses_input import MappedRequest, map_request
+from kiln.protocols.openai.responses_output import EventStream, Items, new_id
+from kiln.protocols.openai.responses_reasoning import ReasoningSeal, reasoning_key
 from kiln.upstream import in_stream_error
 
 OVERFLOW = "context_length_exceeded"

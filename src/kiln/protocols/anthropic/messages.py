@@ -21,10 +21,10 @@ from kiln.catalog import Backend, Catalog, Model
 from kiln.core import errors
 from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
-from kiln.protocols.anthropic_blocks import Blocks, frame, new_id
-from kiln.protocols.anthropic_request import build_chat, estimate_tokens
+from kiln.protocols.anthropic.blocks import Blocks, frame, new_id
+from kiln.protocols.anthropic.request import build_chat, estimate_tokens
 from kiln.protocols.base import JSON, Reply, as_bool
-from kiln.protocols.chat import lookup_model
+from kiln.protocols.openai.chat import lookup_model
 from kiln.protocols.stop import StopMatcher, cut_at_stop
 from kiln.upstream import in_stream_error, overflow_tokens
 
