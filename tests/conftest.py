@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
@@ -24,7 +25,15 @@ import openai
 import pytest
 
 ADMIN_KEY = "sk-kiln-admin-test-" + "x" * 32
+QWEN = "qwen3-32b"  # the session catalog's models (catalog_toml)
+OSS = "gpt-oss-120b"
 QWEN_UPSTREAM = "Qwen/Qwen3-32B"  # the backend's name differs from the public id on purpose
+HELLO = [{"role": "user", "content": "Hello!"}]
+
+
+def new_tag() -> str:
+    """A unique marker for one request: its `sim.tag`, or text the simulator's rules match on."""
+    return uuid.uuid4().hex
 
 
 def wait_for(check: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> Any:
@@ -158,7 +167,7 @@ id = "qwen3-32b"
 family = "qwen3"
 context_window = 32768
 max_output_tokens = 8192
-aliases = ["claude-sonnet-4-5"]
+aliases = ["claude-opus-5-5"]
 {_prices("qwen3-32b")}
 capabilities = {{ tool_choice = ["auto", "none"], reasoning = true }}
 [[models.backends]]
@@ -287,3 +296,15 @@ def gateway(sim: Sim) -> Iterator[Gateway]:
 @pytest.fixture
 def tenant(gateway: Gateway) -> Tenant:
     return gateway.new_key()
+
+
+def assert_recorded_at_no_cost(tenant: Tenant, resp: httpx.Response, status: str = "error",
+                               credits: str = "10") -> dict[str, Any]:
+    """A failure that was not the client's: one event, cost 0, under the id the client received
+    (the billing policy: a failure costs only what reached the client)."""
+    gen_id = resp.headers["x-neocloud-generation-id"]
+    event = wait_for(lambda: next((e for e in tenant.usage() if e["id"] == gen_id), None),
+                     what="the usage event of the failed request")
+    assert (event["status"], Decimal(event["cost"])) == (status, 0), event
+    assert Decimal(tenant.org()["credits"]) == Decimal(credits)
+    return event

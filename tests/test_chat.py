@@ -319,16 +319,20 @@ def test_backend_model_name_is_sent_upstream_and_public_id_returned(tenant: Tena
 
 
 @pytest.mark.parametrize(
-    "alias, public, backend", [("gpt-5", OSS, OSS), ("claude-sonnet-4-5", QWEN, QWEN_UPSTREAM)]
+    "alias, public, backend", [("gpt-5", OSS, OSS), ("claude-opus-5-5", QWEN, QWEN_UPSTREAM)]
 )
 def test_alias_is_served_by_its_model(tenant: Tenant, sim: Sim, alias: str, public: str, backend: str) -> None:
+    """The answer names the model as the client did (the alias); the ledger names the catalog model."""
     tag = new_tag()
     resp = chat(tenant, {"model": alias, "messages": HELLO}, tag)
     data = assert_metered(tenant, resp, public)
-    assert data["model"] == public
+    assert data["model"] == alias
     assert upstream(sim, tag)["model"] == backend
     sdk = tenant.openai().chat.completions.create(model=alias, messages=HELLO)
-    assert sdk.model == public
+    assert sdk.model == alias
+    chunks = list(tenant.openai().chat.completions.create(model=alias, messages=HELLO, stream=True,
+                                                          stream_options={"include_usage": True}))
+    assert {c.model for c in chunks} == {alias}
 
 
 # -- tools -----------------------------------------------------------------------------------
@@ -417,9 +421,9 @@ def test_forced_tool_choice_on_qwen_is_a_400_naming_the_model(
 
 
 def test_forced_tool_choice_through_an_alias_names_the_model(tenant: Tenant) -> None:
-    resp = chat(tenant, {"model": "claude-sonnet-4-5", "messages": HELLO, "tools": [WEATHER], "tool_choice": "required"})
+    resp = chat(tenant, {"model": "claude-opus-5-5", "messages": HELLO, "tools": [WEATHER], "tool_choice": "required"})
     err = assert_error(resp, 400, param="tool_choice")
-    assert QWEN in err["message"] or "claude-sonnet-4-5" in err["message"]
+    assert QWEN in err["message"] or "claude-opus-5-5" in err["message"]
 
 
 def test_forced_tool_choice_required_on_gpt_oss_is_forwarded(tenant: Tenant, sim: Sim) -> None:

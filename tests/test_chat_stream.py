@@ -221,20 +221,20 @@ def test_chunk_shape_follows_the_seed(tenant: Tenant) -> None:
 # -- model names in chunks -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model", [QWEN, "claude-sonnet-4-5"])
-def test_every_chunk_names_the_public_model_and_upstream_gets_the_backend_name(
+@pytest.mark.parametrize("model", [QWEN, "claude-opus-5-5"])
+def test_every_chunk_names_the_model_as_the_client_did_and_upstream_gets_the_backend_name(
     tenant: Tenant, sim: Sim, model: str
 ) -> None:
     tag = new_tag()
     s = stream(tenant, {"model": model, "messages": HELLO, "stream_options": {"include_usage": True}}, tag)
-    assert_clean_stream(s, QWEN)  # checks `model` on every chunk, the usage chunk included
+    assert_clean_stream(s, model)  # checks `model` on every chunk, the usage chunk included
     assert QWEN_UPSTREAM not in s.raw
     assert upstream(sim, tag)["model"] == QWEN_UPSTREAM
 
 
 def test_gpt_5_alias_streams_as_gpt_oss(tenant: Tenant) -> None:
     s = stream(tenant, {"model": "gpt-5", "messages": HELLO, "stream_options": {"include_usage": True}})
-    assert_clean_stream(s, OSS)
+    assert_clean_stream(s, "gpt-5")
     assert s.chunks[-1]["usage"]["cost"] == usage_cost(OSS, s.chunks[-1]["usage"])
 
 

@@ -59,7 +59,7 @@ def test_tools_system_and_thinking_count(tenant: Tenant) -> None:
 def test_with_the_sdk_and_claude_code_shapes(tenant: Tenant) -> None:
     client = sdk(tenant)
     small = client.messages.count_tokens(model=QWEN, messages=[{"role": "user", "content": "Hi"}])
-    bigger = client.messages.count_tokens(model="claude-sonnet-4-5", tools=[WEATHER],
+    bigger = client.messages.count_tokens(model="claude-opus-5-5", tools=[WEATHER],
                                           messages=[{"role": "user", "content": "Hi"}])
     assert 0 < small.input_tokens < bigger.input_tokens
     beta = post(tenant, {"model": QWEN, "messages": [{"role": "user", "content": "Hi"}], "context_management": {}},

@@ -134,7 +134,7 @@ def test_stream_without_include_usage_is_still_metered(tenant: Tenant) -> None:
 
 
 def test_alias_is_metered_under_the_model_id(tenant: Tenant) -> None:
-    r, data = post_json(tenant, chat_body(model="claude-sonnet-4-5"))
+    r, data = post_json(tenant, chat_body(model="claude-opus-5-5"))
     event = event_by_id(tenant, r.headers["x-neocloud-generation-id"])
     assert event["model"] == "qwen3-32b"
     assert Decimal(event["cost"]) == usage_cost("qwen3-32b", data["usage"], rounded=False) == data["usage"]["cost"]

@@ -18,11 +18,11 @@ import anthropic
 import httpx
 import pytest
 
-from conftest import Gateway, Sim, Tenant
+from conftest import Gateway, Sim, Tenant, assert_recorded_at_no_cost
 
 QWEN = "qwen3-32b"
 OSS = "gpt-oss-120b"
-ALIAS = "claude-sonnet-4-5"  # an alias of qwen3-32b in conftest's catalog
+ALIAS = "claude-opus-5-5"  # an alias of qwen3-32b in conftest's catalog
 MIB = 1024 * 1024
 WEATHER = {
     "name": "get_weather",
@@ -74,7 +74,8 @@ def assert_anthropic_error(resp: httpx.Response, status: int, kind: str) -> str:
     assert resp.headers["content-type"].startswith("application/json")
     body = resp.json()
     assert body["type"] == "error" and body["error"]["type"] == kind, body
-    assert "x-neocloud-generation-id" not in resp.headers
+    if status < 500:  # the client's own mistake: nothing recorded
+        assert "x-neocloud-generation-id" not in resp.headers
     return str(body["error"]["message"])
 
 
@@ -434,10 +435,12 @@ def test_rate_limits_are_rate_limit_error(gateway: Gateway, sim: Sim) -> None:
 def test_upstream_failures_are_json_not_plain_text(tenant: Tenant, sim: Sim, status: int, kind: str,
                                                    exc: type[Exception]) -> None:
     tag = script(sim, {"status": status})
-    assert_anthropic_error(post(tenant, ask(tag)), 502 if status == 500 else 503, kind)
+    resp = post(tenant, ask(tag))
+    assert_anthropic_error(resp, 502 if status == 500 else 503, kind)
+    assert_recorded_at_no_cost(tenant, resp)
     with pytest.raises(exc):
         sdk(tenant).messages.create(**ask(tag))
-    assert tenant.usage() == []
+    assert [Decimal(e["cost"]) for e in tenant.usage()] == [0, 0]
 
 
 def test_offline_backend_is_an_anthropic_error(tenant: Tenant) -> None:

@@ -153,7 +153,6 @@ def test_tools_only_openai_can_run_are_dropped(tenant: Tenant, sim: Sim) -> None
     codex_extras = [
         {"type": "web_search", "external_web_access": False, "search_content_types": ["text", "image"]},
         {"type": "tool_search", "execution": "client", "description": "Find tools.", "parameters": {}},
-        {"type": "namespace", "name": "multi_agent_v1", "description": "Agents.", "tools": [WEATHER]},
         {"type": "file_search", "vector_store_ids": ["vs_1"]},
     ]
     extra, tag = tag_sim(reply="ok")
@@ -164,6 +163,37 @@ def test_tools_only_openai_can_run_are_dropped(tenant: Tenant, sim: Sim) -> None
     assert r.status_code == 200, r.text
     sent = upstream(sim, tag)
     assert "tools" not in sent and "tool_choice" not in sent  # type: ignore[operator]
+
+
+AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Agents.", "tools": [
+    {**WEATHER, "name": "spawn_agent", "description": "Start an agent."}, {"type": "web_search"}]}
+
+
+def test_namespace_tools_are_offered_flattened_and_called_back_under_their_own_names(tenant: Tenant,
+                                                                                     sim: Sim) -> None:
+    """Codex's namespace tools (multi_agent_v1): each function reaches the model with the namespace
+    in its name, and a call comes back as a function_call of that namespace."""
+    flat = "multi_agent_v1__spawn_agent"
+    extra, tag = tag_sim(tool_calls=[{"name": flat, "arguments": {"city": "Paris"}}])
+    r = create(tenant, model=QWEN, input="start one", tools=[AGENTS, WEATHER], extra_body=extra)
+    sent = upstream(sim, tag)
+    assert [t["function"]["name"] for t in sent["tools"]] == [flat, "get_weather"]  # type: ignore[index]
+    [call] = [i for i in r.output if i.type == "function_call"]
+    assert (call.name, getattr(call, "namespace", None)) == ("spawn_agent", "multi_agent_v1")
+    history = [{"type": "message", "role": "user", "content": "start one"},
+               {"type": "function_call", "call_id": call.call_id, "name": "spawn_agent",
+                "namespace": "multi_agent_v1", "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "started"}]
+    extra, tag = tag_sim(reply="ok")
+    create(tenant, model=QWEN, input=history, tools=[AGENTS], extra_body=extra)
+    assistant = upstream(sim, tag)["messages"][1]  # type: ignore[index]
+    assert assistant["tool_calls"][0]["function"]["name"] == flat
+    extra, tag = tag_sim(tool_calls=[{"name": flat, "arguments": {"city": "Oslo"}}])
+    events = [e for e in tenant.openai().responses.create(model=QWEN, input="again", tools=[AGENTS], stream=True,
+                                                          extra_body=extra)]
+    done = [e.item for e in events if e.type == "response.output_item.done" and e.item.type != "reasoning"]
+    assert [(i.type, i.name) for i in done] == [("function_call", "spawn_agent")]
+    assert [i.name for i in events[-1].response.output if i.type == "function_call"] == ["spawn_agent"]
 
 
 def test_parallel_tool_calls_false_keeps_one_call_on_a_model_that_cannot_be_told(tenant: Tenant, sim: Sim) -> None:

@@ -18,11 +18,10 @@ from starlette.routing import Route
 from kiln.core import errors
 from kiln.core.errors import GatewayError
 from kiln.core.records import SPEND_RESETS
-from kiln.core.clock import CLOCK
 from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str, usd_to_nano
 from kiln.pipeline import Gateway
-from kiln.protocols.base import openai_error
+from kiln.protocols.openai.errors import openai_error
 
 Handler = Callable[[Request, Gateway, dict[str, Any]], Awaitable[Any]]
 
@@ -216,7 +215,7 @@ async def get_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -
 
 async def set_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
     until = _time_or_none(body, "until")
-    if until is not None and until <= CLOCK.time():
+    if until is not None and until <= gw.clock.time():
         raise errors.invalid("'until' must be in the future (or null to end maintenance).", param="until")
     gw.maintenance.until = until
     if isinstance(body.get("message"), str):
@@ -229,8 +228,8 @@ async def advance_clock(request: Request, gw: Gateway, body: dict[str, Any]) -> 
     seconds = body.get("seconds")
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
         raise errors.invalid("'seconds' must be a non-negative number.", param="seconds")
-    CLOCK.advance(float(seconds))
-    return {"offset_s": CLOCK.offset, "time": CLOCK.time()}
+    gw.clock.advance(float(seconds))
+    return {"offset_s": gw.clock.offset, "time": gw.clock.time()}
 
 
 def _endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaitable[Response]]:

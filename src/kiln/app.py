@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from datetime import datetime, timezone
 from typing import AsyncIterator, Callable
 
 import orjson
@@ -21,29 +22,42 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from kiln import admin
-from kiln.catalog import Catalog
-from kiln.config import Settings
+from kiln.catalog import Catalog, Model
+from kiln.config import Settings, build_catalog
 from kiln.core import errors
 from kiln.core.accounts import Accounts
-from kiln.core.clock import CLOCK
-from kiln.core.admission import MemoryAdmission
+from kiln.core.admission import AdmissionControl, MemoryAdmission
+from kiln.core.clock import CLOCK, Clock
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token, hash_key
 from kiln.core.ledger import Ledger
 from kiln.core.money import nano_to_usd_str
 from kiln.http import StreamResponse
-from kiln.pipeline import Gateway
-from kiln.protocols.base import Reply, Translator, openai_error
+from kiln.pipeline import Gateway, MakeTranslator
+from kiln.protocols.anthropic.count_tokens import CountTokensTranslator
+from kiln.protocols.anthropic.messages import MessagesTranslator, anthropic_error
+from kiln.protocols.base import Context, Reply
 from kiln.protocols.openai.chat import ChatTranslator
 from kiln.protocols.openai.completions import CompletionsTranslator
-from kiln.protocols.anthropic.count_tokens import count_tokens
-from kiln.protocols.anthropic.messages import MessagesTranslator
-from kiln.protocols.openai.responses import responses_protocol
+from kiln.protocols.openai.errors import openai_error
+from kiln.protocols.openai.responses import ResponsesTranslator
+from kiln.protocols.reasoning import ReasoningSeal, reasoning_key
 from kiln.router import Router
 from kiln.store import make_store
-from kiln.upstream import Upstream
+from kiln.store.base import Store
+from kiln.upstream import Limits, Upstream
 
 log = logging.getLogger("kiln")
+
+# The metered endpoints, and count_tokens, which shares their intake: path -> its translator.
+METERED: dict[str, MakeTranslator] = {
+    "/v1/chat/completions": ChatTranslator,
+    "/v1/completions": CompletionsTranslator,
+    "/v1/responses": ResponsesTranslator,
+    "/v1/messages": MessagesTranslator,
+    "/v1/messages/count_tokens": CountTokensTranslator,
+}
+
 
 def _json(data: object, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
@@ -51,15 +65,6 @@ def _json(data: object, status: int = 200) -> Response:
 
 def _error(err: GatewayError) -> Response:
     return _reply(openai_error(err))
-
-
-# The metered endpoints: path -> the translator for it (some need the settings).
-METERED: dict[str, Callable[[Settings], type[Translator]]] = {
-    "/v1/chat/completions": lambda _: ChatTranslator,
-    "/v1/completions": lambda _: CompletionsTranslator,
-    "/v1/responses": responses_protocol,
-    "/v1/messages": lambda _: MessagesTranslator,
-}
 
 
 class KilnApp:
@@ -76,24 +81,22 @@ class KilnApp:
         self.state = inner.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        protocol = METERED.get(scope["path"]) if scope["type"] == "http" else None
-        if protocol is None:
+        make = METERED.get(scope["path"]) if scope["type"] == "http" else None
+        if make is None:
             await self.inner(scope, receive, send)
             return
         gw: Gateway = self.state.gateway
-        translator = protocol(gw.settings)
         response: Response | StreamResponse
         if scope["method"] != "POST":
-            response = _reply(translator(gw.catalog).error(GatewayError(
+            response = _reply(make(gw.ctx).error(GatewayError(
                 405, f"Method {scope['method']} is not allowed on {scope['path']}; use POST.",
                 code="method_not_allowed")))
         else:
             try:
-                response = await gw.handle(Request(scope, receive), translator)
+                response = await gw.handle(Request(scope, receive), make)
             except Exception:
                 log.exception("unhandled error on POST %s", scope["path"])
-                response = _reply(translator(gw.catalog).error(GatewayError(
-                    500, "Internal error in the gateway.", "api_error", "internal_error")))
+                response = _reply(make(gw.ctx).error(errors.internal()))
         await response(scope, receive, send)
 
 
@@ -102,18 +105,36 @@ def _reply(reply: Reply) -> Response:
 
 
 async def list_models(request: Request) -> Response:
+    """GET /v1/models: OpenAI's list (with Codex's catalog beside it), or Anthropic's when the
+    request is Anthropic's (an `anthropic-version` header: the Anthropic SDKs always send one)."""
     gw: Gateway = request.app.state.gateway
     try:
         gw.authenticate(request)
     except GatewayError as err:
-        return _error(err)
-    data, codex = [], []  # the OpenAI list, and beside it the catalog Codex reads
-    for model in gw.catalog.available():
+        return _reply(anthropic_error(err)) if "anthropic-version" in request.headers else _error(err)
+    names = [(name, model) for model in gw.catalog.available() for name in (model.id, *model.aliases)]
+    if "anthropic-version" in request.headers:
+        data = [_anthropic_listing(name, model) for name, model in names]
+        return _json({"data": data, "first_id": data[0]["id"] if data else None,
+                      "last_id": data[-1]["id"] if data else None, "has_more": False})
+    listed, codex = [], []  # the OpenAI list, and beside it the catalog Codex reads
+    for name, model in names:
         entry = model.listing()
-        for name in (model.id, *model.aliases):
-            data.append(entry if name == model.id else {**entry, "id": name, "alias_of": model.id})
-            codex.append(model.codex_listing(name, len(codex)))
-    return _json({"object": "list", "data": data, "models": codex})
+        listed.append(entry if name == model.id else {**entry, "id": name, "alias_of": model.id})
+        codex.append(model.codex_listing(name, len(codex)))
+    return _json({"object": "list", "data": listed, "models": codex})
+
+
+def _anthropic_listing(name: str, model: Model) -> dict[str, object]:
+    """Anthropic's ModelInfo, with Kiln's extensions under the names the OpenAI list uses."""
+    extensions = {k: v for k, v in model.listing().items() if k not in ("id", "object", "created", "owned_by")}
+    created = datetime.fromtimestamp(model.created, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    entry: dict[str, object] = {"type": "model", "id": name, "display_name": name, "created_at": created,
+                                "lifecycle": "active", "max_input_tokens": model.context_window,
+                                "max_tokens": model.max_output_tokens, **extensions}
+    if name != model.id:
+        entry["alias_of"] = model.id
+    return entry
 
 
 async def key_info(request: Request) -> Response:
@@ -127,7 +148,7 @@ async def key_info(request: Request) -> Response:
     key = gw.accounts.lookup(token) if token is not None else None
     if key is None:
         return _error(errors.unauthorized(problem or "Invalid API key."))
-    if key.expires_at is not None and key.expires_at <= CLOCK.time():
+    if key.expires_at is not None and key.expires_at <= gw.clock.time():
         return _error(errors.unauthorized("This API key has expired."))
     project = gw.accounts.projects[key.project_id]
     limits = await gw.admission.state(key, gw.accounts.org(key.org_id))
@@ -175,37 +196,54 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     else:
         err = GatewayError(exc.status_code, str(exc.detail))
     if request.url.path.startswith("/v1/messages"):  # Anthropic clients parse Anthropic errors only
-        return _reply(MessagesTranslator(request.app.state.gateway.catalog).error(err))
+        return _reply(anthropic_error(err))
     return _error(err)
 
 
 async def _server_error(request: Request, exc: Exception) -> Response:
     log.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
-    return _error(GatewayError(500, "Internal error in the gateway.", "api_error", "internal_error"))
+    return _error(errors.internal())
 
 
-def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway], object] | None = None) -> KilnApp:
-    """The gateway as an ASGI app; `on_ready(gateway)` runs once everything is open."""
+def create_app(
+    settings: Settings,
+    *,
+    catalog: Catalog | None = None,
+    store: Store | None = None,
+    admission: AdmissionControl | None = None,
+    upstream: Upstream | None = None,
+    clock: Clock = CLOCK,
+    on_ready: Callable[[Gateway], object] | None = None,
+) -> KilnApp:
+    """The gateway as an ASGI app, assembled from parts a caller may pass in (a test builds
+    one in process with its own store or clock); what is not given is made from `settings`.
+    `on_ready(gateway)` runs once everything is open."""
+    catalog = catalog or build_catalog(settings)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        store = make_store(settings.database_url, settings.sqlite_synchronous)
-        await store.open()
-        accounts = Accounts(store)
+        db = store or make_store(settings.database_url, settings.sqlite_synchronous)
+        await db.open()
+        accounts = Accounts(db, clock)
         await accounts.load()
         if settings.admin_key:
             accounts.add_admin_hash(hash_key(settings.admin_key))
-        ledger = Ledger(store)
+        ledger = Ledger(db)
         await ledger.start()
-        upstream = Upstream(settings.connect_timeout_s, settings.request_timeout_s)
-        await upstream.start()
-        router = Router(catalog, upstream, settings.backend_retry_s)
+        client = upstream or Upstream(Limits(connect_s=settings.connect_timeout_s,
+                                             idle_s=settings.stream_idle_timeout_s,
+                                             max_body_bytes=settings.max_upstream_body_bytes,
+                                             max_event_bytes=settings.max_upstream_event_bytes))
+        await client.start()
+        router = Router(catalog, client, settings.backend_retry_s)
         await router.probe_all()
         await router.start()
-        gateway = Gateway(settings, catalog, accounts, MemoryAdmission(settings.limits), ledger, upstream, router)
+        ctx = Context(catalog, ReasoningSeal(reasoning_key(settings.reasoning_secret, settings.data_dir)))
+        gateway = Gateway(settings, catalog, accounts, admission or MemoryAdmission(settings.limits, clock),
+                          ledger, client, router, ctx, clock)
         app.state.gateway = gateway
         # Several gateways on one database: take each other's key and limit changes every few seconds.
-        refresher = asyncio.create_task(accounts.refresh_forever(settings.refresh_s)) if store.shared else None
+        refresher = asyncio.create_task(accounts.refresh_forever(settings.refresh_s)) if db.shared else None
         if on_ready is not None:
             result = on_ready(gateway)
             if hasattr(result, "__await__"):
@@ -216,13 +254,13 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
             if refresher is not None:
                 refresher.cancel()
                 await asyncio.gather(refresher, return_exceptions=True)
+            await gateway.drain(settings.shutdown_grace_s)
             await router.stop()
             await ledger.stop()
-            await upstream.close()
-            await store.close()
+            await client.close()
+            await db.close()
 
     routes = [
-        Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/key", key_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

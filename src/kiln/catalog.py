@@ -85,7 +85,7 @@ class Model:
             "context_window": self.context_window,
             "max_output_tokens": self.max_output_tokens,
             "aliases": list(self.aliases),
-            "capabilities": {
+            "kiln_capabilities": {  # not "capabilities": Anthropic's model object has its own
                 "image_input": caps.image_input,
                 "tool_choice": sorted(caps.tool_choice),
                 "parallel_tool_calls": caps.parallel_tool_calls,
@@ -130,7 +130,7 @@ class Model:
             "default_service_tier": None,
             "supports_reasoning_summaries": caps.reasoning,
             "supports_reasoning_summary_parameter": caps.reasoning,
-            "default_reasoning_summary": "none",
+            "default_reasoning_summary": "auto" if caps.reasoning else "none",
             "support_verbosity": False,
             "default_verbosity": None,
             "apply_patch_tool_type": "freeform",

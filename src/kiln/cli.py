@@ -72,7 +72,7 @@ def serve_command(args: argparse.Namespace) -> None:
 
     from kiln.app import create_app
 
-    app = create_app(settings, catalog, on_ready=lambda gw: _bootstrap(gw, settings))
+    app = create_app(settings, catalog=catalog, on_ready=lambda gw: _bootstrap(gw, settings))
     uvicorn.run(
         app,
         host=settings.host,
@@ -81,7 +81,7 @@ def serve_command(args: argparse.Namespace) -> None:
         http="httptools",
         log_level=settings.log_level,
         access_log=False,
-        timeout_graceful_shutdown=30,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
 
 

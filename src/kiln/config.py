@@ -50,6 +50,10 @@ class Settings:
     request_timeout_s: float = 3600.0
     keepalive_s: float = 15.0
     connect_timeout_s: float = 10.0
+    stream_idle_timeout_s: float = 600.0  # a stream's silence from the backend (a long prefill is not a failure)
+    max_upstream_body_bytes: int = 64 * 1024 * 1024  # a backend's JSON answer
+    max_upstream_event_bytes: int = 8 * 1024 * 1024  # one SSE event from a backend
+    shutdown_grace_s: float = 30.0  # on SIGTERM: how long requests in flight may still finish
     backend_retry_s: float = 5.0
     refresh_s: float = 2.0  # shared database: how often to take other gateways' key and limit changes
     log_level: str = "info"
@@ -69,6 +73,8 @@ _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "host": str, "port": int, "data_dir": str, "database": str, "sqlite_synchronous": str,
     "max_body_bytes": int, "request_timeout_s": (int, float), "keepalive_s": (int, float),
     "connect_timeout_s": (int, float), "backend_retry_s": (int, float), "refresh_s": (int, float),
+    "stream_idle_timeout_s": (int, float), "max_upstream_body_bytes": int, "max_upstream_event_bytes": int,
+    "shutdown_grace_s": (int, float),
     "log_level": str,
 }
 _LIMIT_FIELDS: dict[str, type | tuple[type, ...]] = {"rpm": int, "tpm": int, "concurrency": int,

@@ -1,13 +1,21 @@
 """The path of every metered request, top to bottom, in one place.
 
-    authenticate -> read body (bounded) -> parse -> translate & validate
-    -> maintenance? -> admit -> route -> call upstream
-    -> translate back (JSON or stream) -> meter -> respond
+    intake (authenticate, bounded body, JSON) -> translate & validate (UpstreamCall)
+    -> maintenance? -> admit -> route & call the backend
+    -> translate back (JSON, or stream chunk by chunk) -> meter -> respond
 
 Each step lives in its own module; this file only orders them and owns the
-failure handling between them: what a failure costs (nothing, unless a
-model produced tokens), which error shape the client sees (its protocol's),
-and that admission is always released and usage always recorded.
+failure handling between them:
+
+- what a request costs when something fails (one policy, README "Billing"):
+  a failure of the gateway or the backend costs only what reached the client
+  (nothing, when nothing did), a client that leaves pays for what was
+  generated, and every request that passed admission and did not fail for
+  the client's own mistake leaves exactly one usage event, whose id the
+  client receives;
+- which error shape the client sees (its protocol's): a GatewayError from any
+  step, and a defect of Kiln's own as a 500 (logged here with its traceback);
+- that admission is always released, and a stream billed even when it is cut.
 """
 
 from __future__ import annotations
@@ -16,47 +24,50 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from email.utils import format_datetime
 from datetime import datetime, timezone
-from typing import Any
+from email.utils import format_datetime
+from typing import Any, Awaitable, Callable
 
 import aiohttp
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kiln import tokenizer
 from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
 from kiln.core import errors
 from kiln.core.accounts import Accounts
-from kiln.core.clock import CLOCK
 from kiln.core.admission import AdmissionControl, Demand, Ticket
+from kiln.core.clock import Clock
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
 from kiln.core.ledger import Ledger, new_generation_id
-from kiln.core.records import ApiKey, UsageEvent
+from kiln.core.records import ApiKey, Usage, UsageEvent
 from kiln.http import StreamResponse, Write, read_body, wait_disconnect
-from kiln.protocols.base import Translator
+from kiln.protocols.base import Context, Translator, UpstreamCall
 from kiln.router import Router
-from kiln.upstream import Upstream, sse_batches, upstream_error
+from kiln.upstream import Upstream
 
 log = logging.getLogger("kiln.pipeline")
 
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
-# What a translator raises on a body that is not the JSON a model server sends: a 502, never a 500.
-_MALFORMED = (ValueError, TypeError, KeyError, AttributeError)
 CAPPED_HEADER = "X-Kiln-Output-Capped"  # max_tokens lowered to what the money left covers
 BUDGET_NOTE = "Output stopped: the remaining credit, budget or key spend limit covers no more tokens."
+KEY_NOTE = "This API key is no longer active: the stream was stopped."
+
+MakeTranslator = Callable[[Context], Translator]
 
 
 @dataclass
 class Maintenance:
+    clock: Clock
     until: float | None = None  # Unix time; None: not in maintenance
     message: str = "The service is in maintenance."
 
     @property
     def active(self) -> bool:
-        return self.until is not None and self.until > CLOCK.time()
+        return self.until is not None and self.until > self.clock.time()
 
     def error(self) -> GatewayError:
         assert self.until is not None
@@ -65,30 +76,26 @@ class Maintenance:
 
 
 @dataclass
-class _Call:
-    """What one request carries between the steps."""
+class _Run:
+    """One admitted request, as the steps after admission see it."""
 
     key: ApiKey
     tr: Translator
+    call: UpstreamCall
     ticket: Ticket
     started: float
     generation_id: str
+    deadline: float
     backend: Backend | None = None
-    body: dict[str, Any] | None = None
+    usage: Usage | None = None  # the latest the backend reported
+    delivered: int = 0  # output pieces that reached the client (about one token each)
     ttft_ms: float | None = None
+    metered: tuple[UsageEvent, Usage] | None = None  # the event, once recorded
 
 
 class Gateway:
-    def __init__(
-        self,
-        settings: Settings,
-        catalog: Catalog,
-        accounts: Accounts,
-        admission: AdmissionControl,
-        ledger: Ledger,
-        upstream: Upstream,
-        router: Router,
-    ) -> None:
+    def __init__(self, settings: Settings, catalog: Catalog, accounts: Accounts, admission: AdmissionControl,
+                 ledger: Ledger, upstream: Upstream, router: Router, ctx: Context, clock: Clock) -> None:
         self.settings = settings
         self.catalog = catalog
         self.accounts = accounts
@@ -96,8 +103,13 @@ class Gateway:
         self.ledger = ledger
         self.upstream = upstream
         self.router = router
-        self.maintenance = Maintenance()
+        self.ctx = ctx
+        self.clock = clock
+        self.maintenance = Maintenance(clock)
         self.in_flight = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # -- intake ------------------------------------------------------------------
 
     def authenticate(self, request: Request) -> ApiKey:
         headers = request.headers
@@ -115,275 +127,320 @@ class Gateway:
         except orjson.JSONDecodeError as exc:
             raise errors.invalid(f"The request body is not valid JSON: {exc}.") from None
 
-    async def handle(self, request: Request, protocol: type[Translator]) -> Response | StreamResponse:
+    # -- the request ----------------------------------------------------------------
+
+    async def handle(self, request: Request, make: MakeTranslator) -> Response | StreamResponse:
         started = time.monotonic()
-        tr = protocol(self.catalog)
+        tr = make(self.ctx)
         try:
             key, raw, body = await self.intake(request)
-            upstream_body = tr.request(body)
+            call = tr.request(body)
             if self.maintenance.active:
                 raise self.maintenance.error()
             generation_id = new_generation_id()
-            ticket = await self.admission.admit(
-                key, self.accounts.org(key.org_id), _demand(tr, upstream_body, len(raw)), generation_id
-            )
+            ticket = await self.admission.admit(key, self.accounts.org(key.org_id),
+                                                _demand(call, tr.endpoint, len(raw)), generation_id)
         except GatewayError as err:
             return _reply(tr, err)
+        if call.kind == "count":
+            return await self._count(tr, call)
         if ticket.capped:  # the money left covers less output than asked: ask the backend for less
-            upstream_body.pop("max_completion_tokens", None)
-            upstream_body["max_tokens"] = ticket.output_tokens // ticket.outputs
-        call = _Call(key, tr, ticket, started, generation_id, body=upstream_body)
+            call.lower_cap(ticket.output_tokens // ticket.outputs)
+        run = _Run(key, tr, call, ticket, started, generation_id, started + self.settings.request_timeout_s)
         self.in_flight += 1
         try:
-            if tr.stream:
-                return await self._start_stream(call, request)
-            return await self._complete(call, request)
+            if call.stream:
+                return await self._start_stream(run, request)
+            return await self._complete(run, request)
         except GatewayError as err:
-            await self._finish(call)
-            return _reply(tr, err)
+            return await self._failed(run, err)
+        except Exception:
+            log.exception("internal error on %s (%s)", tr.endpoint, generation_id)
+            return await self._failed(run, errors.internal())
         except BaseException:
-            await self._finish(call)
+            await self._release(run)
             raise
+
+    async def _failed(self, run: _Run, err: GatewayError) -> Response:
+        """An error answer after admission. The gateway's or the backend's failures are recorded
+        (cost 0: nothing reached the client) under an id the client receives; the client's
+        own mistakes (a 4xx from the backend) are not billed and leave no event."""
+        if err.status < 500:
+            await self._release(run)
+            return _reply(run.tr, err)
+        await self._meter(run, status="timeout" if err.status == 504 else "error")
+        return _reply(run.tr, err, {GENERATION_HEADER: run.generation_id})
 
     # -- calling the backend ------------------------------------------------
 
-    async def _send(self, call: _Call) -> aiohttp.ClientResponse:
-        """POST to the first backend that accepts the connection; raise the mapped error otherwise."""
-        last: Exception | None = None
-        for backend in self.router.candidates(call.tr.model):
-            call.backend = backend
+    async def _send(self, run: _Run) -> aiohttp.ClientResponse:
+        """POST to the first backend that accepts the connection; any failure as a GatewayError."""
+        call = run.call
+        last: GatewayError | None = None
+        for backend in self.router.candidates(call.model):
+            run.backend = backend
+            body = _encode(call, backend)
             try:
-                resp = await self.upstream.post(backend, call.tr.upstream_path, call.tr.upstream_body(backend))
-            except (aiohttp.ClientConnectionError, OSError) as exc:
-                if isinstance(exc, aiohttp.ServerDisconnectedError):
-                    raise errors.bad_gateway("The model backend closed the connection.") from exc
+                return await self.upstream.post(backend, call.path, body, stream=call.stream, deadline=run.deadline)
+            except GatewayError as err:
+                if not err.failover:
+                    raise
                 self.router.failed(backend)
-                last = exc
-                continue
-            if resp.status != 200:
-                raw = await resp.read()
-                resp.release()
-                raise upstream_error(resp.status, raw)
-            return resp
-        raise errors.bad_gateway(f"The model backend is unreachable ({type(last).__name__}).")
+                last = err
+        assert last is not None
+        raise last
 
-    async def _complete(self, call: _Call, request: Request) -> Response:
+    async def _complete(self, run: _Run, request: Request) -> Response:
         """Non-streaming: one upstream JSON body, cancelled if the client leaves."""
-        work = asyncio.ensure_future(self._fetch(call))
+        work = asyncio.ensure_future(self._fetch(run))
         watcher = asyncio.ensure_future(wait_disconnect(request.receive))
         try:
-            done, _ = await asyncio.wait(
-                (work, watcher), timeout=self.settings.request_timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
+            done, _ = await asyncio.wait((work, watcher), timeout=max(run.deadline - time.monotonic(), 0),
+                                         return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
         if work not in done:
             work.cancel()
             await asyncio.gather(work, return_exceptions=True)
-            timed_out = not done
-            await self._meter(call, status="timeout" if timed_out else "cancelled", cancelled=not timed_out)
-            if timed_out:
+            if not done:
                 raise errors.timeout("The request took longer than the gateway's time limit.")
+            await self._meter(run, status="cancelled", cancelled=True)
             return Response(b"", status_code=499)
-        raw = work.result()
-        try:
-            call.tr.response(raw)
-        except _MALFORMED as exc:
-            log.exception("malformed response from %s", call.backend.url if call.backend else "?")
-            raise errors.bad_gateway("The model backend returned a malformed response.") from exc
-        event = await self._meter(call)
-        headers = {GENERATION_HEADER: call.generation_id}
-        if call.ticket.capped:
-            headers[CAPPED_HEADER] = str(call.ticket.output_tokens)
-        return Response(call.tr.render(event.cost_nano), media_type="application/json", headers=headers)
+        run.usage = run.tr.response(work.result())
+        event, usage = await self._meter(run)
+        headers = {GENERATION_HEADER: run.generation_id}
+        if run.ticket.capped:
+            headers[CAPPED_HEADER] = str(run.call.max_output_tokens)
+        return Response(run.tr.render(usage, event.cost_nano), media_type="application/json", headers=headers)
 
-    async def _fetch(self, call: _Call) -> bytes:
-        resp = await self._send(call)
-        try:
-            return await resp.read()
-        except aiohttp.ClientError as exc:
-            raise errors.bad_gateway("The model backend closed the connection mid-response.") from exc
-        finally:
-            resp.release()
+    async def _fetch(self, run: _Run) -> bytes:
+        return await self.upstream.read(await self._send(run))
 
     # -- streaming -------------------------------------------------------------
 
-    async def _start_stream(self, call: _Call, request: Request) -> Response | StreamResponse:
+    async def _start_stream(self, run: _Run, request: Request) -> Response | StreamResponse:
         """Wait for the upstream status while we still can answer with an error.
 
         If the backend has not answered within one keepalive interval, commit
         to the 200 and keep the client's connection alive while it thinks.
         """
-        pending = asyncio.ensure_future(self._send(call))
+        pending = asyncio.ensure_future(self._send(run))
         done, _ = await asyncio.wait((pending,), timeout=self.settings.keepalive_s)
         first = b""
         if done:
-            resp = pending.result()  # raises the mapped GatewayError before any byte is sent
-
-            async def produce(write: Write) -> None:
-                await self._pump(call, resp, write)
+            resp: aiohttp.ClientResponse | None = pending.result()  # raises before any byte is sent
         else:
-            first = call.tr.keepalive()  # one interval of silence already passed
+            resp, first = None, run.tr.keepalive()  # one interval of silence already passed
 
-            async def produce(write: Write) -> None:
-                try:
-                    resp = await pending
-                except GatewayError as err:
-                    # The 200 and the generation id are out: record a zero-cost event under that id.
-                    await self._meter(call, status="error")
-                    await write(call.tr.stream_error(err))
-                    return
-                except BaseException:
-                    await self._finish(call)
-                    raise
-                await self._pump(call, resp, write)
+        async def produce(write: Write) -> None:
+            await self._pump(run, resp or pending, write)
 
-        return StreamResponse(
-            produce,
-            {GENERATION_HEADER: call.generation_id},
-            call.tr.keepalive,
-            self.settings.keepalive_s,
-            first,
-        )
+        return StreamResponse(produce, {GENERATION_HEADER: run.generation_id}, run.tr.keepalive,
+                              self.settings.keepalive_s, first)
 
-    async def _pump(self, call: _Call, resp: aiohttp.ClientResponse, write: Write) -> None:
-        """Upstream SSE -> client frames; meter before the last byte."""
-        tr = call.tr
-        status, cancelled = "ok", True
+    async def _pump(self, run: _Run, source: aiohttp.ClientResponse | asyncio.Future[aiohttp.ClientResponse],
+                    write: Write) -> None:
+        """Upstream SSE -> client frames; meter before the last byte, whatever happens."""
+        tr = run.tr
+        resp: aiohttp.ClientResponse | None = None
+        left = True  # the client went away (this task was cancelled) unless we learn otherwise
         try:
-            deadline = call.started + self.settings.request_timeout_s
-            async with asyncio.timeout_at(asyncio.get_running_loop().time() + (deadline - time.monotonic())):
-                async for batch in sse_batches(resp):
-                    # One write for all that arrived in one read: far fewer syscalls under load.
-                    frames = []
-                    for payload in batch:
-                        try:
-                            frames.append(tr.chunk(payload))
-                        except GatewayError:  # the backend's in-stream error: what came before it still goes out
-                            if any(frames):
-                                await write(b"".join(frames))
-                            raise
-                        if tr.done:
-                            break
-                        if tr.chunks >= call.ticket.output_tokens and not await self._extend(call):
-                            # The money left covers no more output: end cleanly, as if at max_tokens.
-                            frames.append(tr.truncate(BUDGET_NOTE))
-                            tr.done = True
-                            break
-                    out = b"".join(frames)
-                    if out:
-                        if call.ttft_ms is None:
-                            call.ttft_ms = (time.monotonic() - call.started) * 1000
-                        await write(out)
-                    if tr.done:
-                        break
-            if not tr.done:
+            resp = source if isinstance(source, aiohttp.ClientResponse) else await source
+            if not await self._relay(run, resp, write):
                 raise errors.bad_gateway("The model backend ended the stream early.")
-            cancelled = False
-            event = await self._meter(call)
-            await write(tr.finish(event.cost_nano))
-        except (GatewayError, aiohttp.ClientError, TimeoutError, *_MALFORMED) as exc:
-            cancelled = False
-            if isinstance(exc, TimeoutError):
-                err, status = errors.timeout("The request took longer than the gateway's time limit."), "timeout"
-            elif isinstance(exc, GatewayError):
-                err, status = exc, "error"
-            elif isinstance(exc, aiohttp.ClientError):
-                err, status = errors.bad_gateway("The model backend closed the connection mid-stream."), "error"
-            else:
-                log.exception("malformed stream from %s", call.backend.url if call.backend else "?")
-                err, status = errors.bad_gateway("The model backend sent a malformed stream."), "error"
-            await self._meter(call, status=status)
+            left = False
+            event, usage = await self._meter(run)
+            await write(tr.finish(usage, event.cost_nano))
+        except GatewayError as err:
+            left = False
+            await self._meter(run, status="timeout" if err.status == 504 else "error")
             await write(tr.stream_error(err))
+        except Exception:
+            left = False
+            log.exception("internal error in a %s stream (%s)", tr.endpoint, run.generation_id)
+            await self._meter(run, status="error")
+            await write(tr.stream_error(errors.internal()))
         finally:
-            resp.close()  # cancels the generation on the backend if it is still running
-            if cancelled:
-                # The client went away: bill what was generated, off the response path.
-                asyncio.ensure_future(self._meter(call, status="cancelled", cancelled=True))
+            if resp is None and isinstance(source, asyncio.Future):  # left while the backend was silent
+                source.cancel()
+                if source.done() and not source.cancelled() and source.exception() is None:
+                    resp = source.result()
+            if resp is not None:
+                resp.close()  # cancels the generation on the backend if it is still running
+            if left:  # bill what was generated, off the response path but tracked
+                self.spawn(self._meter(run, status="cancelled", cancelled=True))
+
+    async def _relay(self, run: _Run, resp: aiohttp.ClientResponse, write: Write) -> bool:
+        """Forward the stream; True once the translator needs no more of it."""
+        try:
+            async with asyncio.timeout_at(asyncio.get_running_loop().time() + (run.deadline - time.monotonic())):
+                return await self._forward(run, resp, write)
+        except TimeoutError:
+            raise errors.timeout("The request took longer than the gateway's time limit.") from None
+
+    async def _forward(self, run: _Run, resp: aiohttp.ClientResponse, write: Write) -> bool:
+        tr, ticket = run.tr, run.ticket
+        async for batch in self.upstream.events(resp):
+            # One write for all that arrived in one read: far fewer syscalls under load.
+            frames: list[bytes] = []
+            done = False
+            try:
+                for payload in batch:
+                    out, usage, pieces, done = tr.chunk(payload)
+                    frames.append(out)
+                    if usage is not None:
+                        run.usage = usage
+                    run.delivered += pieces
+                    if done:
+                        break
+                    if run.delivered >= ticket.output_tokens and not await self._extend(run):
+                        # The money left covers no more output: end cleanly, as if at max_tokens.
+                        frames.append(tr.truncate(BUDGET_NOTE))
+                        done = True
+                        break
+            except GatewayError:  # what came before the error still goes out
+                await self._write(run, write, frames)
+                raise
+            await self._write(run, write, frames)
+            if done:
+                return True
+        return False
+
+    @staticmethod
+    async def _write(run: _Run, write: Write, frames: list[bytes]) -> None:
+        out = b"".join(frames)
+        if out:
+            if run.ttft_ms is None:
+                run.ttft_ms = (time.monotonic() - run.started) * 1000
+            await write(out)
+
+    async def _extend(self, run: _Run) -> bool:
+        """Reserve the next block of output; False when the money left covers none. A key
+        suspended or revoked meanwhile ends its streams here (403 in the stream)."""
+        key = run.key
+        if key.status != "active":
+            raise errors.forbidden(f"{KEY_NOTE} (the key is {key.status})", code=f"key_{key.status}")
+        delivered = self._cost(run, self._trusted(run) or Usage(0, 0, run.delivered))
+        return await self.admission.extend(run.ticket, key, self.accounts.org(key.org_id),
+                                           delivered_nano=delivered) > 0
+
+    # -- count_tokens ----------------------------------------------------------------
+
+    async def _count(self, tr: Translator, call: UpstreamCall) -> Response:
+        """The exact prompt size from a backend's tokenizer; an estimate (logged) if none can count."""
+        try:
+            backends = self.router.candidates(call.model)
+        except GatewayError:
+            backends = []
+        count = await tokenizer.count(self.upstream, backends, call.tokenize)
+        if count is None:
+            count = tokenizer.estimate(call.tokenize)
+            log.warning("count_tokens for %s is an estimate: no backend tokenizer answered", call.model.id)
+        return Response(tr.render(Usage(count), 0), media_type="application/json")
 
     # -- metering ----------------------------------------------------------------
 
-    async def _meter(self, call: _Call, status: str = "ok", cancelled: bool = False) -> UsageEvent:
-        """Write the usage event (durable when this returns) and release admission."""
-        tr = call.tr
-        if not tr.usage.exact and (tr.chunks or status != "error"):
-            await self._estimate_usage(call)
-        u = tr.usage
+    async def _meter(self, run: _Run, status: str = "ok", cancelled: bool = False) -> tuple[UsageEvent, Usage]:
+        """Write the usage event (durable when this returns) and release admission; once per run
+        (a second outcome for the same request, e.g. cut while failing, keeps the first)."""
+        if run.metered is not None:
+            return run.metered
+        failed = status not in ("ok", "cancelled")
+        if failed and not run.delivered:
+            usage = Usage()  # nothing reached the client: nothing is billed
+        else:
+            usage = self._trusted(run) or await self._estimate(run)
+        key, tr = run.key, run.tr
         event = UsageEvent(
-            id=call.generation_id,
-            created_at=CLOCK.time(),
-            org_id=call.key.org_id,
-            project_id=call.key.project_id,
-            key_id=call.key.id,
-            model=tr.model.id,
-            endpoint=tr.endpoint,
-            prompt_tokens=u.prompt_tokens,
-            cached_tokens=u.cached_tokens,
-            completion_tokens=u.completion_tokens,
-            reasoning_tokens=u.reasoning_tokens,
-            cost_nano=tr.model.prices.cost_nano(u.prompt_tokens, u.cached_tokens, u.completion_tokens),
-            status=status,
-            cancelled=cancelled,
-            ttft_ms=call.ttft_ms,
-            duration_ms=(time.monotonic() - call.started) * 1000,
+            id=run.generation_id, created_at=self.clock.time(), org_id=key.org_id, project_id=key.project_id,
+            key_id=key.id, model=run.call.model.id, endpoint=tr.endpoint, prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
+            reasoning_tokens=usage.reasoning_tokens, cost_nano=self._cost(run, usage), status=status,
+            cancelled=cancelled, ttft_ms=run.ttft_ms, duration_ms=(time.monotonic() - run.started) * 1000,
         )
-        await self._finish(call, event.cost_nano, u.prompt_tokens + u.completion_tokens)
+        if run.metered is not None:  # metered meanwhile, while this one estimated
+            return run.metered
+        run.metered = event, usage
+        await self._release(run, event.cost_nano, usage.prompt_tokens + usage.completion_tokens)
         await self.ledger.record(event)
-        return event
+        return event, usage
 
-    async def _extend(self, call: _Call) -> bool:
-        key, u = call.key, call.tr.usage
-        delivered = call.tr.model.prices.cost_nano(u.prompt_tokens, u.cached_tokens,
-                                                   max(u.completion_tokens, call.tr.chunks))
-        return await self.admission.extend(call.ticket, key, self.accounts.org(key.org_id),
-                                           delivered_nano=delivered) > 0
+    @staticmethod
+    def _cost(run: _Run, usage: Usage) -> int:
+        return run.call.model.prices.cost_nano(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
 
-    async def _estimate_usage(self, call: _Call) -> None:
-        """Usage when the backend never reported it (client left, stream cut).
+    def _trusted(self, run: _Run) -> Usage | None:
+        """The backend's usage, if it is within what this request could have used."""
+        usage, call = run.usage, run.call
+        if usage is None:
+            return None
+        if usage.prompt_tokens > call.model.context_window or \
+                usage.completion_tokens > call.max_output_tokens * call.outputs:
+            log.warning("usage from %s for %s is out of bounds (%d prompt, %d completion tokens): estimated",
+                        run.backend.url if run.backend else "?", run.generation_id,
+                        usage.prompt_tokens, usage.completion_tokens)
+            return None
+        return usage
 
-        Prompt tokens from the backend's tokenizer (vLLM /tokenize with the
-        same messages); completion tokens from the chunks seen (about one
-        token each on vLLM). Marked inexact.
-        """
-        u = call.tr.usage
-        u.completion_tokens = max(u.completion_tokens, call.tr.chunks)
-        if u.prompt_tokens or call.backend is None or call.body is None:
-            return
-        payload = {k: call.body[k] for k in ("model", "messages", "tools", "prompt") if k in call.body}
-        try:
-            result = await self.upstream.post_json(
-                call.backend, call.backend.url.removesuffix("/v1") + "/tokenize", payload, timeout_s=10.0
-            )
-            u.prompt_tokens = int(result["count"])  # type: ignore[index]
-        except Exception:
-            u.prompt_tokens = len(orjson.dumps(payload.get("messages") or payload.get("prompt") or "")) // 4
-            log.warning("usage for %s estimated without the backend's tokenizer", call.generation_id)
+    async def _estimate(self, run: _Run) -> Usage:
+        """Usage the backend never reported (client left, stream cut): the prompt from the
+        backend's tokenizer, the output from the pieces delivered. Marked inexact."""
+        call = run.call
+        prompt = None
+        if run.backend is not None:
+            prompt = await tokenizer.count(self.upstream, [run.backend], call.tokenize)
+        if prompt is None:
+            prompt = tokenizer.estimate(call.tokenize)
+            log.warning("usage for %s estimated without the backend's tokenizer", run.generation_id)
+        completion = min(run.delivered, call.max_output_tokens * call.outputs)
+        return Usage(min(prompt, call.model.context_window), 0, completion, 0, exact=False)
 
-    async def _finish(self, call: _Call, cost_nano: int = 0, tokens: int = 0) -> None:
+    async def _release(self, run: _Run, cost_nano: int = 0, tokens: int = 0) -> None:
         """Charge the cost and release the request's admission (reservation and slot); idempotent."""
-        if not call.ticket.released:
+        if not run.ticket.released:
             self.in_flight -= 1
-            key = call.key
-            await self.admission.settle(call.ticket, key, self.accounts.org(key.org_id), cost_nano, tokens)
+            key = run.key
+            await self.admission.settle(run.ticket, key, self.accounts.org(key.org_id), cost_nano, tokens)
+
+    # -- background work -----------------------------------------------------------
+
+    def spawn(self, work: Awaitable[Any]) -> None:
+        """Run `work` off the response path, tracked so shutdown can wait for it."""
+        task = asyncio.ensure_future(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait (at most `timeout_s`) for background work such as billing cut streams."""
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=timeout_s)
 
 
-def _demand(tr: Translator, body: dict[str, Any], body_bytes: int) -> Demand:
+def _encode(call: UpstreamCall, backend: Backend) -> bytes:
+    try:
+        return call.encode(backend.model)
+    except orjson.JSONEncodeError:
+        raise errors.invalid("The request is nested too deeply to forward (at most 254 levels).") from None
+
+
+def _demand(call: UpstreamCall, endpoint: str, body_bytes: int) -> Demand:
     """The most a request can cost: one prompt token per body byte (no more than the
-    context window holds), and its output cap."""
-    prices = tr.model.prices
-    asked = body.get("max_tokens") or body.get("max_completion_tokens")
-    max_output = min(asked, tr.model.max_output_tokens) if isinstance(asked, int) else tr.model.max_output_tokens
+    context window holds), and its output cap for each output."""
+    model = call.model
     return Demand(
-        prompt_tokens_max=min(body_bytes, tr.model.context_window),
-        input_nano_per_token=prices.input * 1000,
-        output_nano_per_token=prices.output * 1000,
-        max_output_tokens=max_output,
-        stream=tr.stream,
-        model=tr.model.id,
-        endpoint=tr.endpoint,
+        prompt_tokens_max=min(body_bytes, model.context_window),
+        input_nano_per_token=model.prices.input * 1000,
+        output_nano_per_token=model.prices.output * 1000,
+        max_output_tokens=call.max_output_tokens,
+        stream=call.stream,
+        outputs=call.outputs,
+        model=model.id,
+        endpoint=endpoint,
+        kind=call.kind,
     )
 
 
-def _reply(tr: Translator, err: GatewayError) -> Response:
+def _reply(tr: Translator, err: GatewayError, headers: dict[str, str] | None = None) -> Response:
     reply = tr.error(err)
-    return Response(reply.body, status_code=reply.status, media_type=reply.media_type, headers=reply.headers)
+    return Response(reply.body, status_code=reply.status, media_type=reply.media_type,
+                    headers={**reply.headers, **(headers or {})})

@@ -1,14 +1,25 @@
-"""The pooled HTTP client to model servers, and what their errors mean.
+"""The pooled HTTP client to model servers: the one place where transport meets the gateway.
 
-aiohttp with one keep-alive connector for all backends: the measured
-difference to httpx on this path is an order of magnitude. Errors from
-vLLM, SGLang and llama.cpp come in three shapes; `upstream_error` turns any
-of them into one GatewayError the client's protocol can render.
+aiohttp with one keep-alive connector (the measured difference to httpx on
+this path is an order of magnitude). Every way a backend can fail is turned
+into a GatewayError here, once, so nothing above this module ever sees an
+aiohttp exception: refused connections (`failover`: nothing reached the
+model, another backend may take it), timeouts (504), dropped connections
+and oversized answers (502), and error statuses in the three shapes vLLM,
+SGLang and llama.cpp use (`upstream_error`).
+
+Timeouts are per phase: connecting (`connect_s`), and, for streams, silence
+between two reads (`idle_s`: it also bounds the wait for the response
+headers, which vLLM sends before the prefill); every call is also bounded by
+the request's overall deadline, so no path can outlive it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+import time
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import aiohttp
@@ -23,20 +34,27 @@ _OVERFLOW = re.compile(
     re.IGNORECASE,
 )
 _TOKENS_IN_MESSAGE = re.compile(r"(\d+) input tokens|input \((\d+) tokens\)|request \((\d+) tokens\)")
+_ERROR_BODY_BYTES = 64 * 1024  # what is read of an error answer
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    connect_s: float = 10.0
+    idle_s: float = 600.0  # a stream's silence between reads (a long prefill is not a failure)
+    max_body_bytes: int = 64 * 1024 * 1024  # a JSON answer
+    max_event_bytes: int = 8 * 1024 * 1024  # one SSE event
 
 
 class Upstream:
-    def __init__(self, connect_timeout_s: float = 10.0, read_timeout_s: float = 3600.0) -> None:
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
+    def __init__(self, limits: Limits = Limits()) -> None:
+        self.limits = limits
         self.session: aiohttp.ClientSession | None = None
 
     async def start(self) -> None:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
         self.session = aiohttp.ClientSession(
             connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
-            json_serialize=lambda o: orjson.dumps(o).decode(),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_s),
             auto_decompress=True,
             skip_auto_headers=("User-Agent",),
         )
@@ -46,17 +64,97 @@ class Upstream:
             await self.session.close()
             self.session = None
 
-    async def post(self, backend: Backend, path: str, body: bytes) -> aiohttp.ClientResponse:
-        """Send a request and return once the status and headers are in.
+    async def post(self, backend: Backend, path: str, body: bytes, *, stream: bool,
+                   deadline: float) -> aiohttp.ClientResponse:
+        """POST and return once a 200's headers are in; any failure as a GatewayError.
 
-        Connection failures raise aiohttp.ClientError; the caller decides
-        whether to try another backend.
+        `deadline` is a time.monotonic() value the whole exchange must end by.
         """
         assert self.session is not None
         headers = {"Content-Type": "application/json"}
         if backend.api_key:
             headers["Authorization"] = f"Bearer {backend.api_key}"
-        return await self.session.post(backend.url + path, data=body, headers=headers)
+        timeout = aiohttp.ClientTimeout(total=_left(deadline), sock_connect=self.limits.connect_s,
+                                        sock_read=self.limits.idle_s if stream else None)
+        try:
+            resp = await self.session.post(backend.url + path, data=body, headers=headers, timeout=timeout)
+        except (aiohttp.ClientConnectorError, aiohttp.ClientProxyConnectionError) as exc:
+            raise unreachable(exc) from None
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _mapped(exc, "before answering") from None
+        if resp.status != 200:
+            try:
+                raw = await resp.content.read(_ERROR_BODY_BYTES)
+            except (TimeoutError, aiohttp.ClientError, OSError):
+                raw = b""
+            finally:
+                resp.release()
+            raise upstream_error(resp.status, raw)
+        return resp
+
+    async def read(self, resp: aiohttp.ClientResponse) -> bytes:
+        """A JSON answer's body, at most `max_body_bytes` of it."""
+        limit = self.limits.max_body_bytes
+        declared = resp.content_length
+        try:
+            if declared is not None and declared > limit:
+                raise _too_large(limit)
+            raw = await resp.content.read(limit + 1)
+            if len(raw) > limit:
+                raise _too_large(limit)
+            return raw
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _mapped(exc, "mid-response") from None
+        finally:
+            resp.release()
+
+    async def events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+        """The `data:` payloads of an SSE answer, raw, one list per network read.
+
+        Batching by read lets the caller answer with one write for everything
+        that arrived together. Comments and other fields are skipped; the
+        terminating `[DONE]` is yielded like any payload. If the backend drops
+        the connection, the events it sent before are still yielded, then the
+        502. Parsing is linear in the bytes received however they are split,
+        and one event longer than `max_event_bytes` ends the stream (502).
+        """
+        parser = SSEParser(self.limits.max_event_bytes)
+        content = resp.content
+        try:
+            async for piece in content.iter_any():
+                events = parser.feed(piece)
+                if events:
+                    yield events
+        except aiohttp.ClientPayloadError as exc:
+            # aiohttp raises before handing out what it had buffered; take it first.
+            events = parser.feed(b"".join(getattr(content, "_buffer", ())))
+            if events:
+                yield events
+            raise _mapped(exc, "mid-stream") from None
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _mapped(exc, "mid-stream") from None
+        events = parser.feed(b"\n\n")
+        if events:
+            yield events
+
+    async def post_json(self, backend: Backend, url: str, payload: object, timeout_s: float = 10.0) -> object:
+        """A small side call (a tokenizer): the parsed JSON answer, or a GatewayError."""
+        assert self.session is not None
+        headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None
+        try:
+            async with self.session.post(url, data=orjson.dumps(payload), headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                raw = await resp.content.read(self.limits.max_body_bytes)
+                if resp.status != 200:
+                    raise upstream_error(resp.status, raw)
+        except (aiohttp.ClientConnectorError, aiohttp.ClientProxyConnectionError) as exc:
+            raise unreachable(exc) from None
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raise _mapped(exc, "before answering") from None
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise errors.bad_gateway("The model backend returned a malformed response.") from None
 
     async def ping(self, url: str, timeout_s: float = 5.0) -> bool:
         """True if GET url answers 2xx."""
@@ -65,61 +163,67 @@ class Upstream:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
                 await resp.read()
                 return resp.status < 300
-        except (aiohttp.ClientError, TimeoutError):
+        except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
-    async def post_json(self, backend: Backend, url: str, payload: object, timeout_s: float = 10.0) -> object:
-        assert self.session is not None
-        headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None
-        async with self.session.post(
-            url, data=orjson.dumps(payload), headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as resp:
-            resp.raise_for_status()
-            return await resp.json(loads=orjson.loads, content_type=None)
 
+class SSEParser:
+    """SSE bytes in, complete events' `data:` payloads out; linear in the bytes fed.
 
-async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
-    """The `data:` payloads of an SSE response, as raw bytes, one list per network read.
-
-    Batching by read lets the caller answer with one write for everything
-    that arrived together. Comments and other fields are skipped; the
-    terminating `[DONE]` is yielded like any payload. If the backend drops the
-    connection, the events it sent before are still yielded, then the error
-    is raised.
+    Only the new bytes are searched for the end of an event, so a single
+    event split over many reads costs no more than reading it.
     """
-    buf = b""
-    try:
-        async for piece in resp.content.iter_any():
-            events, buf = _split_events(buf + piece)
-            if events:
-                yield events
-    except aiohttp.ClientPayloadError:
-        # aiohttp raises before handing out what it had buffered; take it first.
-        pending = getattr(resp.content, "_buffer", ())
-        events, _ = _split_events(buf + b"".join(pending))
-        if events:
-            yield events
-        raise
-    events, _ = _split_events(buf + b"\n\n")
-    if events:
-        yield events
+
+    def __init__(self, max_event_bytes: int) -> None:
+        self.max_event_bytes = max_event_bytes
+        self._buf = bytearray()
+
+    def feed(self, piece: bytes) -> list[bytes]:
+        buf = self._buf
+        scan = max(len(buf) - 3, 0)  # an event end may straddle the old bytes and the new
+        buf += piece
+        if buf.find(b"\n\n", scan) < 0 and (b"\r" not in piece or buf.find(b"\r\n\r\n", scan) < 0):
+            if len(buf) > self.max_event_bytes:
+                raise errors.bad_gateway(f"The model backend sent an event larger than {self.max_event_bytes} bytes.")
+            return []
+        text = bytes(buf)
+        if b"\r" in text:
+            text = text.replace(b"\r\n", b"\n")
+        out: list[bytes] = []
+        start = 0
+        while True:
+            end = text.find(b"\n\n", start)
+            if end < 0:
+                break
+            if end - start > self.max_event_bytes:
+                raise errors.bad_gateway(f"The model backend sent an event larger than {self.max_event_bytes} bytes.")
+            for line in text[start:end].split(b"\n"):
+                if line.startswith(b"data:"):
+                    out.append(line[5:].lstrip(b" "))
+            start = end + 2
+        self._buf = bytearray(text[start:])
+        return out
 
 
-def _split_events(buf: bytes) -> tuple[list[bytes], bytes]:
-    """Complete SSE events' data payloads in buf, and the incomplete rest."""
-    if b"\r" in buf:
-        buf = buf.replace(b"\r\n", b"\n")
-    out: list[bytes] = []
-    start = 0
-    while True:
-        end = buf.find(b"\n\n", start)
-        if end < 0:
-            break
-        for line in buf[start:end].split(b"\n"):
-            if line.startswith(b"data:"):
-                out.append(line[5:].lstrip(b" "))
-        start = end + 2
-    return out, buf[start:]
+def _left(deadline: float) -> float:
+    return max(deadline - time.monotonic(), 0.001)
+
+
+def unreachable(exc: BaseException) -> GatewayError:
+    """Nothing reached the model: another backend may be tried."""
+    err = errors.bad_gateway(f"The model backend is unreachable ({type(exc).__name__}).")
+    err.failover = True
+    return err
+
+
+def _mapped(exc: BaseException, when: str) -> GatewayError:
+    if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
+        return errors.timeout(f"The model backend did not answer in time ({when}).")
+    return errors.bad_gateway(f"The model backend closed the connection {when}.")
+
+
+def _too_large(limit: int) -> GatewayError:
+    return errors.bad_gateway(f"The model backend's answer is larger than {limit} bytes.")
 
 
 def upstream_error(status: int, body: bytes) -> GatewayError:
@@ -146,7 +250,7 @@ def in_stream_error(payload: dict[str, object]) -> GatewayError:
     raw = payload.get("error")
     message = raw.get("message") if isinstance(raw, dict) else raw
     code = raw.get("code") if isinstance(raw, dict) else None
-    status = code if isinstance(code, int) and 400 <= code < 600 else 500
+    status = code if isinstance(code, int) and not isinstance(code, bool) and 400 <= code < 600 else 500
     return upstream_error(status, orjson.dumps({"error": {"message": str(message or "")}}))
 
 
@@ -165,7 +269,7 @@ def _message(body: bytes) -> tuple[str, str | None]:
         err = data.get("error", data)  # vLLM/llama.cpp wrap it; SGLang is flat
         if isinstance(err, dict):
             param = err.get("param")
-            return str(err.get("message") or err.get("detail") or ""), param if isinstance(param, str) else None
+            return str(err.get("message") or err.get("detail") or "")[:2000], param if isinstance(param, str) else None
         if isinstance(err, str):
-            return err, None
+            return err[:2000], None
     return "", None

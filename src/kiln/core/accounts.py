@@ -14,7 +14,7 @@ import time
 from datetime import datetime, timezone
 
 from kiln.core import errors
-from kiln.core.clock import CLOCK
+from kiln.core.clock import CLOCK, Clock
 from kiln.core.keys import ADMIN_PREFIX, display_prefix, hash_key, new_key, same_hash
 from kiln.core.records import KEY_STATUSES, ApiKey, Org, Project
 from kiln.store.base import Store
@@ -103,8 +103,9 @@ def _id(prefix: str) -> str:
 
 
 class Accounts:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, clock: Clock = CLOCK) -> None:
         self.store = store
+        self.clock = clock
         self.orgs: dict[str, Org] = {}
         self.projects: dict[str, Project] = {}
         self.keys: dict[str, ApiKey] = {}  # by id
@@ -112,7 +113,7 @@ class Accounts:
         self._admin_hashes: list[str] = []
 
     async def load(self) -> None:
-        now = CLOCK.time()
+        now = self.clock.time()
         snap = await self.store.load(month_start(now))
         month = month_of(now)
         self.orgs = {o.id: o for o in snap.orgs}
@@ -136,7 +137,7 @@ class Accounts:
         and keys, key status, limits and expiry. Balances stay this process's own (admission
         across replicas is a shared-state concern, not a cache one)."""
         snap = await self.store.load(None)
-        month = month_of(CLOCK.time())
+        month = month_of(self.clock.time())
         for org in snap.orgs:
             mine = self.orgs.get(org.id)
             if mine is None:
@@ -150,7 +151,7 @@ class Accounts:
         for key in snap.keys:
             mine = self.keys.get(key.id)
             if mine is None:
-                key.period = period_of(key.spend_reset, CLOCK.time())
+                key.period = period_of(key.spend_reset, self.clock.time())
                 self.keys[key.id] = self._by_hash[key.key_hash] = key
             else:
                 for name in _KEY_SETTINGS:
@@ -176,7 +177,7 @@ class Accounts:
         key = self._by_hash.get(hash_key(token))
         if key is None:
             raise errors.unauthorized("Invalid API key.")
-        if key.expires_at is not None and key.expires_at <= CLOCK.time():
+        if key.expires_at is not None and key.expires_at <= self.clock.time():
             raise errors.unauthorized("This API key has expired.")
         if key.status != "active":
             raise errors.forbidden(f"This API key is {key.status}.", code=f"key_{key.status}")
@@ -205,7 +206,7 @@ class Accounts:
     async def create_org(self, name: str, **limits: int | None) -> Org:
         if any(o.name == name for o in self.orgs.values()):
             raise errors.GatewayError(409, f"An organisation named {name!r} exists.", code="conflict")
-        org = Org(id=_id("org"), name=name, created_at=time.time(), month=month_of(CLOCK.time()), **limits)
+        org = Org(id=_id("org"), name=name, created_at=time.time(), month=month_of(self.clock.time()), **limits)
         await self.store.insert_org(org)
         self.orgs[org.id] = org
         return org
@@ -268,7 +269,7 @@ class Accounts:
             created_at=time.time(),
             **limits,  # type: ignore[arg-type]
         )
-        key.period = period_of(key.spend_reset, CLOCK.time())
+        key.period = period_of(key.spend_reset, self.clock.time())
         await self.store.insert_key(key)
         self.keys[key.id] = key
         self._by_hash[key.key_hash] = key
@@ -296,7 +297,7 @@ class Accounts:
         for name, value in fields.items():
             setattr(key, name, value)
         if "spend_reset" in fields:
-            now = CLOCK.time()
+            now = self.clock.time()
             key.period = period_of(key.spend_reset, now)
             key.period_spend_nano = key.spend_nano if key.spend_reset == "never" else (
                 await self.store.key_spend_since(period_start(key.spend_reset, now))

@@ -36,7 +36,7 @@ from typing import Protocol
 from kiln.config import Limits
 from kiln.core import errors
 from kiln.core.accounts import charge, roll_periods
-from kiln.core.clock import CLOCK
+from kiln.core.clock import CLOCK, Clock
 from kiln.core.records import ApiKey, Org
 
 OUTPUT_BLOCK = 512  # tokens a stream reserves at a time
@@ -140,18 +140,19 @@ class AdmissionControl(Protocol):
 class MemoryAdmission:
     """In-process admission: exact for one gateway process."""
 
-    def __init__(self, defaults: Limits) -> None:
+    def __init__(self, defaults: Limits, clock: Clock = CLOCK) -> None:
         self.defaults = defaults
+        self.clock = clock
         self._orgs: dict[str, _State] = {}
         self._keys: dict[str, _State] = {}
 
     # -- the four calls -------------------------------------------------------
 
     async def admit(self, key: ApiKey, org: Org, demand: Demand, generation_id: str = "") -> Ticket:
-        roll_periods(org, key, CLOCK.time())
+        roll_periods(org, key, self.clock.time())
         org_state = self._orgs.setdefault(org.id, _State())
         key_state = self._keys.setdefault(key.id, _State())
-        now = CLOCK.monotonic()
+        now = self.clock.monotonic()
         if demand.kind == "count":
             _check_counts(org_state, self.defaults.count_tokens_rpm, now)
             org_state.counts.add(now, 1)
@@ -191,8 +192,8 @@ class MemoryAdmission:
         if ticket.released:
             return
         ticket.released = True
-        charge(org, key, cost_nano, CLOCK.time())
-        now = CLOCK.monotonic()
+        charge(org, key, cost_nano, self.clock.time())
+        now = self.clock.monotonic()
         for state in (self._orgs[ticket.org_id], self._keys[ticket.key_id]):
             state.in_flight -= 1
             state.reserved_nano -= ticket.reserved_nano
@@ -201,11 +202,11 @@ class MemoryAdmission:
 
     async def state(self, key: ApiKey | None, org: Org) -> dict[str, object]:
         """What the key (or the organisation) can still spend and its rate-limit state."""
-        roll_periods(org, key, CLOCK.time())
+        roll_periods(org, key, self.clock.time())
         org_state = self._orgs.get(org.id) or _State()
         key_state = (self._keys.get(key.id) if key is not None else None) or _State()
         available, scope = self._available(key, org, org_state, key_state)
-        now = CLOCK.monotonic()
+        now = self.clock.monotonic()
         rpm = org.rpm_limit or self.defaults.rpm
         tpm = org.tpm_limit or self.defaults.tpm
         return {

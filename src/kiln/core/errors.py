@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 class GatewayError(Exception):
     """A failure with the HTTP status and the OpenAI-style type/code/param it maps to.
 
-    plain=True marks errors the contract sends as a plain-text body (502).
+    plain=True marks errors the contract sends as a plain-text body (502);
+    failover=True marks a backend failure where nothing reached the model, so
+    another backend may take the request.
     """
 
     status: int
@@ -23,6 +25,7 @@ class GatewayError(Exception):
     param: str | None = None
     headers: dict[str, str] = field(default_factory=dict)
     plain: bool = False
+    failover: bool = False
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -66,3 +69,8 @@ def unavailable(message: str, headers: dict[str, str] | None = None) -> GatewayE
 
 def timeout(message: str) -> GatewayError:
     return GatewayError(504, message, "timeout_error", "timeout")
+
+
+def internal(message: str = "Internal error in the gateway.") -> GatewayError:
+    """A defect in Kiln itself (logged with its traceback where it happened)."""
+    return GatewayError(500, message, "api_error", "internal_error")

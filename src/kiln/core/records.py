@@ -139,13 +139,26 @@ class Usage:
     exact: bool = False  # False: estimated (the backend never reported usage)
 
     @classmethod
-    def from_openai(cls, u: dict[str, Any]) -> "Usage":
+    def from_openai(cls, u: Any) -> "Usage | None":
+        """A backend's usage object, or None when it is not one Kiln can trust: every count
+        must be a non-negative integer no larger than MAX_TOKENS (the caller then bounds it
+        by the request's own limits and falls back to its estimate)."""
+        if not isinstance(u, dict):
+            return None
         details = u.get("prompt_tokens_details") or {}
         out_details = u.get("completion_tokens_details") or {}
-        return cls(
-            prompt_tokens=int(u.get("prompt_tokens") or 0),
-            cached_tokens=int(details.get("cached_tokens") or 0),
-            completion_tokens=int(u.get("completion_tokens") or 0),
-            reasoning_tokens=int(out_details.get("reasoning_tokens") or u.get("reasoning_tokens") or 0),
-            exact=True,
-        )
+        if not isinstance(details, dict) or not isinstance(out_details, dict):
+            return None
+        counts = (u.get("prompt_tokens"), details.get("cached_tokens"), u.get("completion_tokens"),
+                  out_details.get("reasoning_tokens", u.get("reasoning_tokens")))
+        if not all(c is None or _count_ok(c) for c in counts):
+            return None
+        prompt, cached, completion, reasoning = (c or 0 for c in counts)
+        return cls(prompt, min(cached, prompt), completion, min(reasoning, completion), exact=True)
+
+
+MAX_TOKENS = 1 << 31  # no request has more tokens than this; larger counts are garbage
+
+
+def _count_ok(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_TOKENS

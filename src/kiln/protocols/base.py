@@ -1,27 +1,77 @@
-"""What every client protocol module provides, and helpers they share.
+"""The translator contract: what every client protocol gives the pipeline.
 
-A translator is created per request. The pipeline calls, in order:
-`request()` (validate and map the client's body to a chat-completions body
-for the backend), then either `response()` + `render()` for JSON or
-`chunk()` per upstream SSE payload + `finish()` for streams, and `error()`
-/ `stream_error()` whenever something fails. Usage accumulates in `usage`.
-Adding a protocol means adding a module with this surface; the pipeline
-does not change.
+A translator is made per request from a `Context` built once at start (the
+catalog, the Responses reasoning seal), so making one costs no I/O and no
+syscall. The pipeline calls, in order:
+
+    call = tr.request(body)         # validate and map: an UpstreamCall, or a GatewayError (4xx)
+    JSON:    usage = tr.response(raw)              then   tr.render(cost_nano) -> bytes
+    stream:  out, usage, tokens, done = tr.chunk(payload)   per upstream SSE payload
+             tr.truncate(note) -> bytes  (the money ran out)   then   tr.finish(cost_nano) -> bytes
+    always:  tr.keepalive() -> bytes, tr.error(err) -> Reply, tr.stream_error(err) -> bytes
+
+Methods return values; the pipeline never reads or writes a translator's
+attributes. It changes the upstream call only through `UpstreamCall`
+(`lower_cap`, `encode`). Every translator is backed by an OpenAI-shaped
+backend endpoint; what they share of that side lives in `ChatBacked`
+(protocols/backed.py), and each protocol supplies only its own mapping.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
-from kiln.catalog import Backend, Catalog, Model
+from kiln.catalog import Catalog, Model
 from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
 
+if TYPE_CHECKING:
+    from kiln.protocols.reasoning import ReasoningSeal
+
 JSON = "application/json"
 SSE = "text/event-stream"
+
+# What one upstream SSE payload gave: bytes for the client, the usage it reported (or None),
+# how many output pieces it delivered (about one token each), and whether the translator needs
+# no more upstream payloads (the stream ended, or the gateway ended it, e.g. at a stop string).
+Step = tuple[bytes, Usage | None, int, bool]
+
+
+@dataclass(frozen=True, slots=True)
+class Context:
+    """What translators share across requests, built once at start."""
+
+    catalog: Catalog
+    seal: ReasoningSeal
+
+
+@dataclass(slots=True)
+class UpstreamCall:
+    """What the backend is asked, as the pipeline needs to know it."""
+
+    model: Model
+    path: str  # on the backend's /v1 base: "/chat/completions" or "/completions"
+    body: dict[str, Any]  # without "model": encode() names the backend's own model
+    stream: bool
+    max_output_tokens: int  # per output: the most the backend may generate
+    outputs: int = 1  # completions the backend generates (prompts x n)
+    tokenize: dict[str, Any] = field(default_factory=dict)  # what the backend tokenizer counts (the prompt)
+    affinity: str | None = None  # routing key: requests with the same key share a prefix cache
+    kind: str = "generation"  # "count": count the prompt, generate nothing
+
+    def lower_cap(self, tokens: int) -> None:
+        """Ask the backend for at most `tokens` per output (the money left covers no more)."""
+        self.max_output_tokens = tokens
+        self.body.pop("max_completion_tokens", None)
+        self.body["max_tokens"] = tokens
+
+    def encode(self, backend_model: str) -> bytes:
+        self.body["model"] = backend_model
+        return orjson.dumps(self.body)
 
 
 @dataclass(slots=True)
@@ -34,40 +84,26 @@ class Reply:
 
 class Translator(Protocol):
     endpoint: str  # the ledger's name for it, e.g. "chat.completions"
-    upstream_path: str  # where it goes on the backend, e.g. "/chat/completions"
-    model: Model
-    stream: bool
-    usage: Usage
-    chunks: int  # content-bearing chunks seen (a completion-token estimate)
-    done: bool  # the translator needs no more upstream chunks (e.g. a stop string)
 
-    def __init__(self, catalog: Catalog) -> None: ...
-    def request(self, body: Any) -> dict[str, Any]: ...
-    def upstream_body(self, backend: Backend) -> bytes: ...
-    def response(self, raw: bytes) -> None: ...
+    def request(self, body: Any) -> UpstreamCall: ...
+    def response(self, raw: bytes) -> Usage | None: ...
     def render(self, cost_nano: int) -> bytes: ...
-    def chunk(self, payload: bytes) -> bytes: ...
+    def chunk(self, payload: bytes) -> Step: ...
+    def truncate(self, note: str) -> bytes: ...
     def finish(self, cost_nano: int) -> bytes: ...
-    def truncate(self, note: str) -> bytes:
-        """Frames that end the output as if at max_tokens (the money ran out), with a note."""
-
     def keepalive(self) -> bytes: ...
     def error(self, err: GatewayError) -> Reply: ...
     def stream_error(self, err: GatewayError) -> bytes: ...
 
 
-def openai_error(err: GatewayError) -> Reply:
-    """OpenAI's error shape; the 502 of the contract is plain text."""
-    if err.plain:
-        return Reply(err.status, err.message.encode(), "text/plain; charset=utf-8", dict(err.headers))
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-    return Reply(err.status, orjson.dumps(body), JSON, dict(err.headers))
+def new_id(prefix: str) -> str:
+    """A unique id for a response object or item: 96 random bits, no syscall (not a secret)."""
+    return f"{prefix}{random.getrandbits(96):024x}"
 
 
-def openai_stream_error(err: GatewayError) -> bytes:
-    """An error after the 200: a data line the OpenAI SDKs raise on, then [DONE]."""
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-    return b"data: " + orjson.dumps(body) + b"\n\ndata: [DONE]\n\n"
+def sse_event(event: str, data: dict[str, Any]) -> bytes:
+    """One SSE event with its `event:` line (the Anthropic SDKs dispatch on it; Codex reads `data`)."""
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 def as_bool(value: Any) -> bool | None:
@@ -79,3 +115,7 @@ def as_bool(value: Any) -> bool | None:
     if isinstance(value, str) and value.lower() in ("true", "false"):
         return value.lower() == "true"
     return None
+
+
+def positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0

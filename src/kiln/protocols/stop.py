@@ -7,6 +7,24 @@ reaches the client as early as possible.
 
 from __future__ import annotations
 
+from typing import Any
+
+from kiln.core import errors
+
+MAX_STOP_STRINGS = 16
+
+
+def parse_stop(value: Any, param: str = "stop") -> list[str]:
+    """`stop` as a list of non-empty strings: a string or an array of at most 16."""
+    if value is None:
+        return []
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise errors.invalid(f"'{param}' must be a string or an array of strings.", param=param)
+    if len(stops) > MAX_STOP_STRINGS:
+        raise errors.invalid(f"'{param}' takes at most {MAX_STOP_STRINGS} strings.", param=param)
+    return [s for s in stops if s]
+
 
 class StopMatcher:
     def __init__(self, stops: list[str]) -> None:

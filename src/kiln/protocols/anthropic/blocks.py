@@ -7,8 +7,12 @@ blocks exist and in what order (protocols.md §4.3, §5.6):
 
 - one block open at a time; indexes contiguous from 0 in start order;
 - a thinking block only when the client asked for thinking, closed by a
-  `signature_delta` (an opaque value: the backend signs nothing, clients
-  echo it back and Kiln ignores it);
+  `signature_delta`. The backend signs nothing; Kiln's signature is the
+  thinking text sealed (compressed, HMAC-tagged, like Responses'
+  `encrypted_content`), so a client that echoes the block back (they all
+  must) gives the model its earlier reasoning again even when it never saw
+  the text: with `display: "omitted"` the block carries no text, only the
+  signature;
 - a text block only once visible text arrives (whitespace before a tool call
   makes no empty block);
 - a tool_use block only once its name is known; argument fragments go out
@@ -19,22 +23,15 @@ blocks exist and in what order (protocols.md §4.3, §5.6):
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from kiln.protocols.base import new_id, sse_event
+from kiln.protocols.reasoning import ReasoningSeal
+
 log = logging.getLogger("kiln.messages")
-
-
-def frame(event: str, data: dict[str, Any]) -> bytes:
-    """One SSE event with its `event:` line (the Anthropic SDKs dispatch on it)."""
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
-def new_id(prefix: str) -> str:
-    return prefix + os.urandom(12).hex()
 
 
 @dataclass(slots=True)
@@ -46,15 +43,19 @@ class _Tool:
 
 
 class Blocks:
-    def __init__(self, thinking: bool, single_tool_call: bool = False) -> None:
+    def __init__(self, thinking: bool, seal: ReasoningSeal, show_thinking: bool = True,
+                 single_tool_call: bool = False, keep_text: bool = True) -> None:
         self.thinking = thinking
+        self.seal = seal
+        self.show_thinking = show_thinking
         self.single_tool_call = single_tool_call  # keep only the first call (the model cannot be told)
+        self.keep_text = keep_text  # a JSON answer needs the whole text; a stream only its deltas
         self.blocks: list[dict[str, Any]] = []
+        self.texts: dict[int, list[str]] = {}  # block index -> its text pieces (joined once, at the end)
         self.arguments: dict[int, str] = {}  # tool_use block index -> argument JSON text
         self._open: str | None = None  # "thinking", "text" or "tool"
         self._tools: dict[int, _Tool] = {}  # by the backend's tool-call index
         self._held = ""  # whitespace not yet in a block
-        self._signature = new_id("kiln-sig-")
         self._out: list[bytes] = []
 
     @property
@@ -71,8 +72,9 @@ class Blocks:
             return
         if self._open != "thinking":
             self._start("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-        self.blocks[-1]["thinking"] += text
-        self._delta({"type": "thinking_delta", "thinking": text})
+        self.texts.setdefault(len(self.blocks) - 1, []).append(text)  # always: the signature seals it
+        if self.show_thinking:
+            self._delta({"type": "thinking_delta", "thinking": text})
 
     def text(self, text: str) -> None:
         if not text:
@@ -84,12 +86,13 @@ class Blocks:
                 return
             self._held = ""
             self._start("text", {"type": "text", "text": ""})
-        self.blocks[-1]["text"] += text
+        self._keep(text)
         self._delta({"type": "text_delta", "text": text})
 
     def tool_call(self, entry: dict[str, Any]) -> None:
         """One `tool_calls` delta entry (several may share an index; the name may come first)."""
         position = entry.get("index", 0)
+        position = position if isinstance(position, int) else 0
         if self.single_tool_call and position != 0:
             return
         tool = self._tools.setdefault(position, _Tool())
@@ -114,9 +117,10 @@ class Blocks:
             return
         index = len(self.blocks) - 1
         if self._open == "thinking":
-            self.blocks[index]["signature"] = self._signature
-            self._delta({"type": "signature_delta", "signature": self._signature})
-        self._out.append(frame("content_block_stop", {"type": "content_block_stop", "index": index}))
+            signature = self.seal.seal("".join(self.texts.get(index, ())))
+            self.blocks[index]["signature"] = signature
+            self._delta({"type": "signature_delta", "signature": signature})
+        self._out.append(sse_event("content_block_stop", {"type": "content_block_stop", "index": index}))
         self._open = None
 
     def content(self) -> list[dict[str, Any]]:
@@ -126,19 +130,25 @@ class Blocks:
         for index, block in enumerate(self.blocks):
             if block["type"] == "tool_use":
                 block = {**block, "input": _parse_input(self.arguments[index], block["name"])}
+            elif index in self.texts and (block["type"] == "text" or self.show_thinking):
+                block = {**block, block["type"]: "".join(self.texts[index])}
             out.append(block)
         return out
+
+    def _keep(self, text: str) -> None:
+        if self.keep_text:
+            self.texts.setdefault(len(self.blocks) - 1, []).append(text)
 
     def _start(self, kind: str, block: dict[str, Any]) -> None:
         self.close()
         self._open = kind
         self.blocks.append(block)
         start = {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": block}
-        self._out.append(frame("content_block_start", start))
+        self._out.append(sse_event("content_block_start", start))
 
     def _delta(self, delta: dict[str, Any], index: int | None = None) -> None:
         at = len(self.blocks) - 1 if index is None else index
-        self._out.append(frame("content_block_delta", {"type": "content_block_delta", "index": at, "delta": delta}))
+        self._out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": at, "delta": delta}))
 
 
 def _parse_input(arguments: str, name: str) -> dict[str, Any]:

@@ -1,13 +1,12 @@
 """Anthropic Messages (POST /v1/messages) in front of a chat-completions backend.
 
-The request is mapped by anthropic_request.py, the output blocks are built by
-anthropic_blocks.py; this module ties them to the pipeline's translator
-surface and owns what is specific to the wire format: the typed SSE
-events around the blocks, stop reasons, usage in Anthropic's sense
-(`input_tokens` excludes cache reads), and errors in Anthropic's shape with
-the wording Claude Code acts on. Metering is the chat path's: the backend is
-asked for usage the same way and `usage` holds the same counts, so the same
-tokens cost the same; the body carries no cost field (seed).
+The request is mapped by anthropic/request.py, the output blocks are built by
+anthropic/blocks.py; this module is the translator the pipeline drives and
+owns what is specific to the wire format: the typed SSE events around the
+blocks (`message_start` first, always), stop reasons, usage in Anthropic's
+sense (`input_tokens` excludes cache reads), and errors in Anthropic's shape
+with the wording Claude Code acts on. The same tokens cost the same as on
+chat; the body carries no cost field (seed).
 """
 
 from __future__ import annotations
@@ -17,25 +16,29 @@ from typing import Any
 
 import orjson
 
-from kiln.catalog import Backend, Catalog, Model
+from kiln.catalog import Model
 from kiln.core import errors
 from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
-from kiln.protocols.anthropic.blocks import Blocks, frame, new_id
-from kiln.protocols.anthropic.request import build_chat, estimate_tokens
-from kiln.protocols.base import JSON, Reply, as_bool
-from kiln.protocols.openai.chat import lookup_model
+from kiln.protocols import capabilities
+from kiln.protocols.anthropic.blocks import Blocks
+from kiln.protocols.anthropic.request import Prompt, build_chat, estimate_tokens
+from kiln.protocols.base import JSON, Context, Reply, Step, UpstreamCall, new_id, positive_int, sse_event
+from kiln.protocols.chat_backed import (
+    ChatBacked, backend_json, choices_of, lookup_model, part_of, stream_flag, text_of, tool_calls_of,
+)
 from kiln.protocols.stop import StopMatcher, cut_at_stop
-from kiln.upstream import in_stream_error, overflow_tokens
+from kiln.upstream import overflow_tokens
 
 MIN_OUTPUT = 1024  # max_tokens asked for even when the (high) prompt estimate leaves less room
-PING = frame("ping", {"type": "ping"})
+PING = sse_event("ping", {"type": "ping"})
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
     402: "billing_error",
     403: "permission_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "request_too_large",
     429: "rate_limit_error",
     500: "api_error",
@@ -49,67 +52,71 @@ _ASKED = re.compile(r"too large: (\d+)|(\d+) tokens for the completion")
 _PROMPT = re.compile(r"(\d+) tokens from the input")
 
 
-class MessagesTranslator:
-    endpoint = "messages"
-    upstream_path = "/chat/completions"
-    model: Model  # set by prompt(), before anything reads it
+def anthropic_error(err: GatewayError) -> Reply:
+    """Anthropic's error shape on every status, the 502 included (plain text is OpenAI-only)."""
+    return Reply(err.status, orjson.dumps(_error_body(err, err.message)), JSON, dict(err.headers))
 
-    def __init__(self, catalog: Catalog) -> None:
-        self.catalog = catalog
+
+def _error_body(err: GatewayError, message: str) -> dict[str, Any]:
+    kind = ERROR_TYPES.get(err.status) or ("api_error" if err.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class MessagesTranslator(ChatBacked):
+    endpoint = "messages"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
         self.stream = False
-        self.usage = Usage()
-        self.chunks = 0
-        self.done = False
-        self.thinking = False
         self.stops: list[str] = []
         self.prompt_estimate = 0
-        self._name = ""  # the model name the client sent, echoed back
-        self._id = new_id("msg_")
-        self._body: dict[str, Any] = {}
-        self._blocks = Blocks(False)
+        self._context_window = 0
+        self._id = ""
+        self._blocks: Blocks | None = None
         self._matcher: StopMatcher | None = None
         self._finish_reason: str | None = None
         self._stop_sequence: str | None = None
+        self._usage = Usage()  # the latest the backend reported (for message_start)
         self._started = False
         self._note: str | None = None  # why the gateway ended the output early
 
     # -- request ----------------------------------------------------------
 
-    def prompt(self, body: Any) -> dict[str, Any]:
+    def prompt(self, body: Any) -> tuple[Model, Prompt]:
         """Validate and convert what decides the prompt (shared with count_tokens)."""
-        if not isinstance(body, dict):
-            raise errors.invalid("The request body must be a JSON object.")
-        self.model = model = lookup_model(self.catalog, body)
-        self._name = body["model"]
-        chat, self.thinking = build_chat(body, model)
-        self.prompt_estimate = estimate_tokens(chat)
-        return chat
+        model, self.name = lookup_model(self.ctx, body)
+        self._context_window = model.context_window
+        mapped = build_chat(body, model, self.ctx.seal)
+        self.prompt_estimate = estimate_tokens(mapped.chat)
+        return model, mapped
 
-    def request(self, body: Any) -> dict[str, Any]:
-        chat = self.prompt(body)
-        model = self.model
+    def request(self, body: Any) -> UpstreamCall:
+        model, mapped = self.prompt(body)
+        chat = mapped.chat
         asked = body.get("max_tokens")
-        if not isinstance(asked, int) or isinstance(asked, bool) or asked < 1:
+        if not positive_int(asked):
             raise errors.invalid("'max_tokens' is required: a positive integer.", param="max_tokens")
-        stream = as_bool(body.get("stream", False))
-        if stream is None:
-            raise errors.invalid("'stream' must be a boolean (true or false).", param="stream")
-        single = chat.pop("parallel_tool_calls", None) is False
-        if single and model.capabilities.parallel_tool_calls:
-            chat["parallel_tool_calls"] = False
-        self._blocks = Blocks(self.thinking, single_tool_call=single)
+        self.stream = stream = stream_flag(body)
+        forward, single = capabilities.parallel_tool_calls(
+            model, False if chat.pop("parallel_tool_calls", None) is False else None)
+        if forward is not None:
+            chat["parallel_tool_calls"] = forward
+        self._id = new_id("msg_")
+        self._blocks = Blocks(mapped.thinking, self.ctx.seal, mapped.show_thinking, single_tool_call=single,
+                              keep_text=not stream)
         self.stops = chat.get("stop", [])
         self._matcher = StopMatcher(self.stops) if self.stops else None
-        chat["max_tokens"] = self._clamp(asked)
-        chat["stream"] = self.stream = stream
+        chat["max_tokens"] = cap = self._clamp(asked, model.max_output_tokens)
+        chat["stream"] = stream
         if stream:
             # Continuous stats put the prompt size on the first chunk (for message_start) and keep
             # billing exact when a stop sequence or a leaving client ends the stream early.
             chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        self._body = chat
-        return chat
+        tokenize = {k: chat[k] for k in ("messages", "tools", "chat_template_kwargs", "continue_final_message",
+                                         "add_generation_prompt") if k in chat}
+        return UpstreamCall(model, "/chat/completions", chat, stream, cap, tokenize=tokenize)
 
-    def _clamp(self, asked: int) -> int:
+    def _clamp(self, asked: int, model_max: int) -> int:
         """max_tokens that fits the context with the prompt, by estimate.
 
         Claude Code asks for 32k-128k; vLLM <= 0.16 and SGLang reject prompt +
@@ -119,68 +126,58 @@ class MessagesTranslator:
         refuses, the refusal reaches the client in the wording that makes
         Claude Code retry with a smaller max_tokens.
         """
-        limit = min(asked, self.model.max_output_tokens)
-        room = self.model.context_window - self.prompt_estimate
-        return min(limit, max(room, MIN_OUTPUT))
+        room = self._context_window - self.prompt_estimate
+        return min(asked, model_max, max(room, MIN_OUTPUT))
 
-    def upstream_body(self, backend: Backend) -> bytes:
-        self._body["model"] = backend.model
-        return orjson.dumps(self._body)
+    # -- JSON answer ----------------------------------------------------
 
-    # -- JSON response ----------------------------------------------------
+    def _response(self, data: dict[str, Any]) -> Usage | None:
+        choices = choices_of(data)
+        if not choices:
+            raise errors.bad_gateway("The model backend returned a malformed response.")
+        self._choice(choices[0], part_of(choices[0], "message"))
+        return Usage.from_openai(data.get("usage"))
 
-    def response(self, raw: bytes) -> None:
-        try:
-            data = orjson.loads(raw)
-            choice = data["choices"][0]
-            message = choice["message"]
-        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
-            raise errors.bad_gateway("The model backend returned a malformed response.") from None
-        if isinstance(data.get("usage"), dict):
-            self.usage = Usage.from_openai(data["usage"])
-        self._choice(choice, message)
-
-    def render(self, cost_nano: int) -> bytes:
+    def render(self, usage: Usage, cost_nano: int) -> bytes:
         """The Message object; token counts only, no cost field (seed)."""
+        assert self._blocks is not None
         return orjson.dumps({
             "id": self._id,
             "type": "message",
             "role": "assistant",
-            "model": self._name,
+            "model": self.name,
             "content": self._blocks.content(),
             "stop_reason": self._stop_reason(),
             "stop_sequence": self._stop_sequence,
-            "usage": self._usage(),
+            "usage": _usage(usage),
         })
 
     # -- stream -----------------------------------------------------------
 
-    def chunk(self, payload: bytes) -> bytes:
-        if payload == b"[DONE]":
-            self.done = True
-            return b""
-        data = orjson.loads(payload)
-        if "error" in data:
-            raise in_stream_error(data)
-        if isinstance(data.get("usage"), dict):
-            self.usage = Usage.from_openai(data["usage"])
+    def _chunk(self, payload: bytes) -> Step:
+        data = backend_json(payload)
+        usage = Usage.from_openai(data["usage"]) if "usage" in data else None
+        if usage is not None:
+            self._usage = usage
         head = self._message_start()
-        choices = data.get("choices")
-        if choices:
-            self.chunks += 1
-            self._choice(choices[0], choices[0].get("delta") or {})
-        return head + self._blocks.take()
+        choices = choices_of(data)
+        if not choices:
+            return head, usage, 0, False
+        assert self._blocks is not None
+        said = self._choice(choices[0], part_of(choices[0], "delta"))
+        return head + self._blocks.take(), usage, 1 if said else 0, self._stop_sequence is not None
 
-    def finish(self, cost_nano: int) -> bytes:
+    def finish(self, usage: Usage, cost_nano: int) -> bytes:
+        assert self._blocks is not None
         head = self._message_start()
         if self._matcher is not None:
             self._blocks.text(self._matcher.flush())  # the tail held back in case it began a stop sequence
         self._blocks.close()
         delta: dict[str, Any] = {"stop_reason": self._stop_reason(), "stop_sequence": self._stop_sequence}
-        event: dict[str, Any] = {"type": "message_delta", "delta": delta, "usage": self._usage()}
+        event: dict[str, Any] = {"type": "message_delta", "delta": delta, "usage": _usage(usage)}
         if self._note:
             event["kiln_note"] = self._note
-        end = frame("message_delta", event) + frame("message_stop", {"type": "message_stop"})
+        end = sse_event("message_delta", event) + sse_event("message_stop", {"type": "message_stop"})
         return head + self._blocks.take() + end
 
     def truncate(self, note: str) -> bytes:
@@ -189,43 +186,53 @@ class MessagesTranslator:
         return b""
 
     def keepalive(self) -> bytes:
-        return PING
+        """`message_start` comes first in Anthropic's grammar: a slow first token gets it at once,
+        then pings."""
+        return self._message_start() or PING
 
     def _message_start(self) -> bytes:
         if self._started:
             return b""
         self._started = True
-        usage = {**self._usage(), "output_tokens": 0}
-        message: dict[str, Any] = {"id": self._id, "type": "message", "role": "assistant", "model": self._name,
+        usage = _usage(self._usage)
+        if not self._usage.exact:  # nothing reported yet: the prompt estimate until message_delta
+            usage["input_tokens"] = self.prompt_estimate
+        usage["output_tokens"] = 0
+        message: dict[str, Any] = {"id": self._id, "type": "message", "role": "assistant", "model": self.name,
                                    "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
-        return frame("message_start", {"type": "message_start", "message": message})
+        return sse_event("message_start", {"type": "message_start", "message": message})
 
     # -- shared by both forms ----------------------------------------------
 
-    def _choice(self, choice: dict[str, Any], message: dict[str, Any]) -> None:
-        """Feed one choice's message (JSON) or delta (stream) into the blocks."""
+    def _choice(self, choice: dict[str, Any], message: dict[str, Any]) -> bool:
+        """Feed one choice's message (JSON) or delta (stream) into the blocks; True if it carried output."""
         blocks = self._blocks
-        blocks.reasoning(message.get("reasoning") or message.get("reasoning_content") or "")
-        text = message.get("content")
-        if isinstance(text, str) and text:
+        assert blocks is not None
+        thought = text_of(message, "reasoning", "reasoning_content")
+        blocks.reasoning(thought)
+        text = said = text_of(message, "content")
+        if text:
             if self._matcher is not None:
                 if self.stream:
                     text, hit = self._matcher.feed(text), self._matcher.matched
                 else:
                     text, hit = cut_at_stop(text, self.stops)
                 if hit is not None:
-                    self._stop_sequence, self._finish_reason, self.done = hit, "stop", True
+                    self._stop_sequence, self._finish_reason = hit, "stop"
             blocks.text(text)
-        for position, entry in enumerate(message.get("tool_calls") or ()):
+        calls = tool_calls_of(message)
+        for position, entry in enumerate(calls):
             blocks.tool_call(entry if self.stream else {**entry, "index": position})  # JSON calls carry no index
         reason = choice.get("finish_reason")
-        if reason and self._stop_sequence is None:
+        if isinstance(reason, str) and self._stop_sequence is None:
             self._finish_reason = reason
             stopped = choice.get("stop_reason")
             if isinstance(stopped, str) and stopped in self.stops:
                 self._stop_sequence = stopped
+        return bool(thought or said or calls)
 
     def _stop_reason(self) -> str:
+        assert self._blocks is not None
         if self._note is not None or self._finish_reason == "length":
             return "max_tokens"
         if self._blocks.has_tool_use:
@@ -234,31 +241,18 @@ class MessagesTranslator:
             return "stop_sequence"
         return "refusal" if self._finish_reason == "content_filter" else "end_turn"
 
-    def _usage(self) -> dict[str, int]:
-        u = self.usage
-        return {
-            "input_tokens": u.prompt_tokens - u.cached_tokens,
-            "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": u.cached_tokens,
-            "output_tokens": u.completion_tokens,
-        }
-
     # -- errors -------------------------------------------------------------
 
     def error(self, err: GatewayError) -> Reply:
-        """Anthropic's error shape on every status, the 502 included (plain text is OpenAI-only)."""
         return Reply(err.status, orjson.dumps(self._error_body(err)), JSON, dict(err.headers))
 
     def stream_error(self, err: GatewayError) -> bytes:
         """After the 200: an `error` event and no message_stop, so no client takes it for a clean end."""
-        return frame("error", self._error_body(err))
+        return sse_event("error", self._error_body(err))
 
     def _error_body(self, err: GatewayError) -> dict[str, Any]:
-        kind = ERROR_TYPES.get(err.status) or ("api_error" if err.status >= 500 else "invalid_request_error")
-        message = err.message
-        if err.code == "context_length_exceeded":
-            message = self._overflow(message)
-        return {"type": "error", "error": {"type": kind, "message": message}}
+        message = self._overflow(err.message) if err.code == "context_length_exceeded" else err.message
+        return _error_body(err, message)
 
     def _overflow(self, message: str) -> str:
         """A backend's context-overflow message in the two wordings Claude Code acts on.
@@ -267,13 +261,22 @@ class MessagesTranslator:
         and `max_tokens` exceed context limit" makes it retry with a smaller
         max_tokens. Any other wording makes it retry the same request.
         """
-        limit = _number(_LIMIT, message) or self.model.context_window
+        limit = _number(_LIMIT, message) or self._context_window
         prompt = overflow_tokens(message) or _number(_PROMPT, message)
         asked = _number(_ASKED, message)
         if asked is not None and prompt is not None and prompt < limit:
             return (f"input length and `max_tokens` exceed context limit: {prompt} + {asked} > {limit}, "
                     "decrease input length or `max_tokens` and try again")
         return f"prompt is too long: {prompt or max(self.prompt_estimate, limit + 1)} tokens > {limit} maximum"
+
+
+def _usage(u: Usage) -> dict[str, int]:
+    return {
+        "input_tokens": u.prompt_tokens - u.cached_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+        "output_tokens": u.completion_tokens,
+    }
 
 
 def _number(pattern: re.Pattern[str], text: str) -> int | None:

@@ -20,12 +20,15 @@ get right for real templates and real clients (protocols.md §4, §5.1):
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from kiln.catalog import Model
 from kiln.core import errors
+from kiln.protocols import capabilities
+from kiln.protocols.reasoning import ReasoningSeal
 
 log = logging.getLogger("kiln.messages")
 
@@ -38,10 +41,19 @@ _MEDIA = ("image/jpeg", "image/png", "image/gif", "image/webp")
 Part = dict[str, Any]
 
 
-def build_chat(body: dict[str, Any], model: Model) -> tuple[dict[str, Any], bool]:
-    """The chat-completions body (without model, max_tokens or stream) and whether thinking was asked for."""
+@dataclass(slots=True)
+class Prompt:
+    """A Messages request mapped to chat completions, up to the prompt (no max_tokens, no stream)."""
+
+    chat: dict[str, Any]
+    thinking: bool  # the client asked for thinking blocks
+    show_thinking: bool  # ... with their text (`display: "omitted"` sends them empty, signature only)
+
+
+def build_chat(body: dict[str, Any], model: Model, seal: ReasoningSeal) -> Prompt:
+    """The chat-completions body for `body` and how thinking was asked for."""
     referenced = _tool_references(body.get("messages"))
-    messages = _messages(body.get("messages"), body.get("system"), model)
+    messages = _messages(body.get("messages"), body.get("system"), model, seal)
     chat: dict[str, Any] = {"messages": messages}
     last = messages[-1]
     if last["role"] == "assistant" and not last.get("tool_calls"):
@@ -63,7 +75,10 @@ def build_chat(body: dict[str, Any], model: Model) -> tuple[dict[str, Any], bool
         if any(stops):
             chat["stop"] = [s for s in stops if s]
     _output_format(chat, body.get("output_config"), model)
-    return chat, _reasoning(chat, body, model)
+    thinking = _reasoning(chat, body, model)
+    raw = body.get("thinking")
+    display = raw.get("display") if isinstance(raw, dict) else None
+    return Prompt(chat, thinking, show_thinking=display != "omitted")
 
 
 def estimate_tokens(chat: dict[str, Any]) -> int:
@@ -90,7 +105,7 @@ def estimate_tokens(chat: dict[str, Any]) -> int:
 # -- messages ---------------------------------------------------------------------------------
 
 
-def _messages(raw: Any, system: Any, model: Model) -> list[dict[str, Any]]:
+def _messages(raw: Any, system: Any, model: Model, seal: ReasoningSeal) -> list[dict[str, Any]]:
     if not isinstance(raw, list) or not raw:
         raise errors.invalid("'messages' must be a non-empty array.", param="messages")
     lead = [_system_text(system, "system")]
@@ -114,7 +129,7 @@ def _messages(raw: Any, system: Any, model: Model) -> list[dict[str, Any]]:
                 _append(out, converted)
         elif role == "assistant":
             seen_assistant = True
-            _append(out, _assistant(content, where))
+            _append(out, _assistant(content, where, seal))
         else:
             raise errors.invalid(f"'{where}.role' must be user or assistant; got {role!r}.", param=f"{where}.role")
     if not out:
@@ -169,9 +184,11 @@ def _finish_content(msg: dict[str, Any]) -> None:
         msg["reasoning_content"] = msg["reasoning"]  # templates read one name or the other
 
 
-def _blocks(content: Any) -> list[dict[str, Any]]:
+def _blocks(content: Any, where: str = "messages") -> list[dict[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise errors.invalid(f"'{where}' content must be a string or an array of blocks.", param=where)
     return [b for b in content if isinstance(b, dict)]
 
 
@@ -196,7 +213,7 @@ def _tool_result(block: dict[str, Any], model: Model) -> tuple[str, list[Part]]:
     content = block.get("content")
     texts: list[str] = []
     images: list[Part] = []
-    for part in _blocks(content) if content is not None else ():
+    for part in _blocks(content, "tool_result.content") if content is not None else ():
         for p in _content_part(part, model):
             if p["type"] == "text":
                 texts.append(p["text"])
@@ -251,7 +268,7 @@ def _document(block: dict[str, Any], model: Model) -> list[Part]:
     return [{"type": "text", "text": f"[document {head.strip()!r} omitted: {model.id} cannot read PDF input]"}]
 
 
-def _assistant(content: Any, where: str) -> dict[str, Any]:
+def _assistant(content: Any, where: str, seal: ReasoningSeal) -> dict[str, Any]:
     texts: list[Part] = []
     thoughts: list[str] = []
     calls: list[dict[str, Any]] = []
@@ -259,8 +276,11 @@ def _assistant(content: Any, where: str) -> dict[str, Any]:
         kind = block.get("type")
         if kind == "text":
             texts.append({"type": "text", "text": str(block.get("text", ""))})
-        elif kind == "thinking" and block.get("thinking"):
-            thoughts.append(str(block["thinking"]))
+        elif kind == "thinking":
+            # The text the client saw, else what Kiln sealed in the signature (display "omitted").
+            thought = block.get("thinking") or seal.open(block.get("signature"))
+            if isinstance(thought, str) and thought:
+                thoughts.append(thought)
         elif kind == "tool_use":
             name = block.get("name")
             if not isinstance(name, str) or not name:
@@ -325,12 +345,7 @@ def _tool_choice(chat: dict[str, Any], choice: Any, names: set[str], model: Mode
     if kind == "tool" and choice.get("name") not in names:
         return  # it pointed at a tool that was dropped (e.g. Claude Code's web_search)
     mode = {"auto": "auto", "none": "none", "any": "required", "tool": "named"}[kind]
-    if mode not in model.capabilities.tool_choice:
-        what = "tool_choice any" if kind == "any" else "a named tool_choice"
-        raise errors.invalid(
-            f"Model '{model.id}' does not apply forced tool choice ({what}); send tool_choice auto.",
-            param="tool_choice",
-        )
+    capabilities.require_tool_choice(model, mode, "tool_choice any" if kind == "any" else "a named tool_choice")
     chat["tool_choice"] = (
         {"type": "function", "function": {"name": choice["name"]}} if kind == "tool" else mode
     )
@@ -370,10 +385,6 @@ def _output_format(chat: dict[str, Any], config: Any, model: Model) -> None:
     if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise errors.invalid("'output_config.format' must be {type: json_schema, schema: {...}}.",
                              param="output_config.format")
-    if not model.capabilities.response_format:
-        raise errors.invalid(
-            f"Model '{model.id}' does not support structured output; ask for JSON in the prompt instead.",
-            param="output_config.format",
-        )
+    capabilities.require_structured_output(model, "output_config.format json_schema", "output_config.format")
     chat["response_format"] = {"type": "json_schema",
                                "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}

@@ -1,46 +1,43 @@
 """OpenAI legacy Completions: text that continues a prompt.
 
 Forwarded to the backend's /v1/completions with chat's rules where they
-apply: `stream` coerced to a boolean, usage always requested upstream and
-the usage chunk removed unless the client asked for it, `usage.cost` where
-usage is shown, the public model name, and `stop` enforced by the gateway,
-streaming included. Specific to completions: `max_tokens` defaults to 16 and
-is sent explicitly so every backend agrees; `suffix` (insertion) is refused
-because vLLM rejects it anyway; with `echo`, the prompt at the head of a
-choice's text is never matched against stop strings.
+apply (protocols/openai/passthrough.py). Specific to completions:
+`max_tokens` defaults to 16 and is sent explicitly so every backend agrees;
+the backend generates one completion per prompt and per `n`, and admission
+reserves for all of them; `suffix` (insertion) is refused because vLLM
+rejects it anyway; with `echo`, the prompt at the head of a choice's text is
+never matched against stop strings.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from kiln.catalog import Catalog
 from kiln.core import errors
-from kiln.protocols.base import as_bool
-from kiln.protocols.openai.chat import lookup_model, parse_stop
-from kiln.protocols.openai.passthrough import OpenAITranslator
-from kiln.protocols.stop import StopMatcher, cut_at_stop
+from kiln.protocols.base import Context, UpstreamCall, as_bool, positive_int
+from kiln.protocols.chat_backed import lookup_model
+from kiln.protocols.openai.passthrough import Passthrough
+from kiln.protocols.stop import StopMatcher, cut_at_stop, parse_stop
 
 DEFAULT_MAX_TOKENS = 16
 
 
-class CompletionsTranslator(OpenAITranslator):
+class CompletionsTranslator(Passthrough):
     endpoint = "completions"
-    upstream_path = "/completions"
     chunk_object = "text_completion"
+    empty_piece = (b'"text":""',)
 
-    def __init__(self, catalog: Catalog) -> None:
-        super().__init__(catalog)
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
         self.stops: list[str] = []
         self._heads: list[int | None] = []  # per choice: echoed prompt length (None: unknown)
         self._matchers: dict[int, StopMatcher] = {}
 
     # -- request ----------------------------------------------------------
 
-    def request(self, body: Any) -> dict[str, Any]:
-        if not isinstance(body, dict):
-            raise errors.invalid("The request body must be a JSON object.")
-        self.model = model = lookup_model(self.catalog, body)
+    def request(self, body: Any) -> UpstreamCall:
+        model, self.name = lookup_model(self.ctx, body)
+        body.pop("model")
         prompts = _prompts(body.get("prompt"))
         stream = self._stream_options(body)
         limit = body.get("max_tokens", DEFAULT_MAX_TOKENS)
@@ -48,11 +45,11 @@ class CompletionsTranslator(OpenAITranslator):
             limit = DEFAULT_MAX_TOKENS
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise errors.invalid("'max_tokens' must be a non-negative integer.", param="max_tokens")
-        body["max_tokens"] = min(limit, model.max_output_tokens)
+        body["max_tokens"] = cap = min(limit, model.max_output_tokens)
         n = body.get("n", 1)
         if n is None:
             n = 1
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        if not positive_int(n):
             raise errors.invalid("'n' must be a positive integer.", param="n")
         echo = as_bool(body.get("echo", False))
         if echo is None:
@@ -62,30 +59,32 @@ class CompletionsTranslator(OpenAITranslator):
         if logprobs is not None and (not isinstance(logprobs, int) or isinstance(logprobs, bool) or logprobs < 0):
             raise errors.invalid("'logprobs' must be a non-negative integer (the number of top tokens).",
                                  param="logprobs")
-        suffix = body.get("suffix")
+        suffix = body.pop("suffix", None)
         if suffix is not None and not isinstance(suffix, str):
             raise errors.invalid("'suffix' must be a string.", param="suffix")
         if suffix:
             raise errors.invalid(f"'suffix' (insertion) is not supported on {model.id}: the serving stack cannot "
                                  "complete between a prompt and a suffix.",
                                  param="suffix", code="unsupported_parameter")
-        body.pop("suffix", None)
         self.stops = parse_stop(body.get("stop"))
         if self.stops and stream:
             # Cumulative usage on every chunk keeps billing exact when Kiln cuts the stream early.
             body["stream_options"]["continuous_usage_stats"] = True
         # vLLM numbers choices prompt by prompt: index = prompt_index * n + k.
         self._heads = [(len(p) if isinstance(p, str) else None) if echo else 0 for p in prompts for _ in range(n)]
-        self._body = body
-        return body
+        return UpstreamCall(model, "/completions", body, stream, cap, outputs=len(prompts) * n,
+                            tokenize={"prompt": body["prompt"]})
 
-    # -- JSON response ----------------------------------------------------
+    # -- JSON answer ----------------------------------------------------------
 
-    def response(self, raw: bytes) -> None:
-        data = self._load_response(raw)
+    def _enforce_json(self, data: dict[str, Any]) -> None:
+        if not self.stops:
+            return
         for choice in data.get("choices") or ():
+            if not isinstance(choice, dict):
+                continue
             head = self._head(choice.get("index", 0))
-            if self.stops and head is not None and isinstance(choice.get("text"), str):
+            if head is not None and isinstance(choice.get("text"), str):
                 tail, hit = cut_at_stop(choice["text"][head:], self.stops)
                 if hit is not None:
                     choice["text"] = choice["text"][:head] + tail
@@ -94,14 +93,15 @@ class CompletionsTranslator(OpenAITranslator):
 
     # -- stream -----------------------------------------------------------
 
-    def _parse_chunks(self) -> bool:
+    def _parses(self) -> bool:
         return bool(self.stops)
 
-    def _chunk_parsed(self, data: dict[str, Any]) -> bytes:
+    def _enforce(self, data: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
         """Stop strings: hold back what could still become one, cut where one appears."""
         keep = []
-        for choice in data.get("choices") or ():
+        for choice in data["choices"]:
             index = choice.get("index", 0)
+            index = index if isinstance(index, int) else 0
             matcher = self._matchers.setdefault(index, StopMatcher(self.stops))
             if matcher.matched is not None:
                 continue
@@ -118,13 +118,13 @@ class CompletionsTranslator(OpenAITranslator):
             choice["text"] = text
             if text or choice.get("finish_reason") is not None:
                 keep.append(choice)
-        if all(i in self._matchers and self._matchers[i].matched is not None for i in range(len(self._heads))):
-            self.done = True  # every choice hit a stop string: stop reading (and the backend generating)
-        return self._emit(data, keep)
+        # every choice hit a stop string: stop reading (and the backend generating)
+        ended = all(i in self._matchers and self._matchers[i].matched is not None for i in range(len(self._heads)))
+        return keep, ended
 
-    def _head(self, index: int) -> int | None:
+    def _head(self, index: Any) -> int | None:
         """Characters of echoed prompt still ahead in choice `index`'s text (None: unknown)."""
-        return self._heads[index] if 0 <= index < len(self._heads) else 0
+        return self._heads[index] if isinstance(index, int) and 0 <= index < len(self._heads) else 0
 
     def truncate(self, note: str) -> bytes:
         choices = [{"index": i, "text": "", "logprobs": None, "finish_reason": "length"}

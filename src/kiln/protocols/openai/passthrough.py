@@ -1,27 +1,25 @@
-"""What Chat Completions and legacy Completions share.
+"""What Chat Completions and legacy Completions share: the backend already speaks them.
 
-Both forward to an OpenAI-shaped backend endpoint and answer in (nearly) the
-same shape, so both get: `stream` coerced to a boolean, usage always asked
-of the upstream, the public model name, `usage.cost` on JSON and on the
-usage chunk, the usage chunk removed unless the client asked for it, chunks
-passed through as bytes unless an enforcement (stop strings, ...) needs to
-look inside, and OpenAI error shapes. A subclass validates its own request
-and says how to enforce inside a parsed chunk.
+Both forward to the same-shaped backend endpoint, so the answer is nearly
+the backend's own: the model name the client sent, `usage.cost` on JSON and
+on the usage chunk, the usage chunk removed unless the client asked for it.
+Streamed chunks pass through as bytes (no parse, no re-encode) unless an
+enforcement (stop strings, one tool call per reply) needs to look inside; a
+subclass validates its own request and enforces inside parsed chunks.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from abc import abstractmethod
+from typing import Any, ClassVar
 
 import orjson
 
-from kiln.catalog import Backend, Catalog, Model
 from kiln.core import errors
-from kiln.core.errors import GatewayError
 from kiln.core.money import nano_to_usd_str
 from kiln.core.records import Usage
-from kiln.protocols.base import Reply, as_bool, openai_error, openai_stream_error
-from kiln.upstream import in_stream_error
+from kiln.protocols.base import Context, Step, as_bool
+from kiln.protocols.chat_backed import ChatBacked, backend_json, choices_of
 
 DONE = b"data: [DONE]\n\n"
 
@@ -31,43 +29,51 @@ def cost_fragment(cost_nano: int) -> orjson.Fragment:
     return orjson.Fragment(nano_to_usd_str(cost_nano).encode())
 
 
-class OpenAITranslator:
-    endpoint = ""
-    upstream_path = ""
-    chunk_object = ""  # "object" of the stream chunks Kiln builds itself
+def usage_counts(u: Usage) -> dict[str, Any]:
+    counts: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                              "total_tokens": u.prompt_tokens + u.completion_tokens}
+    if u.cached_tokens:
+        counts["prompt_tokens_details"] = {"cached_tokens": u.cached_tokens}
+    return counts
 
-    def __init__(self, catalog: Catalog) -> None:
-        self.catalog = catalog
-        self.stream = False
+
+class Passthrough(ChatBacked):
+    chunk_object: ClassVar[str] = ""  # "object" of the stream chunks Kiln builds itself
+    empty_piece: ClassVar[tuple[bytes, ...]] = ()  # byte patterns of a chunk that carries no output
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
         self.include_usage = False
-        self.usage = Usage()
-        self.chunks = 0
-        self.done = False
-        self.model: Model
-        self._body: dict[str, Any] = {}
-        self._data: dict[str, Any] = {}
-        self._usage_chunk: dict[str, Any] | None = None
+        self._data: dict[str, Any] = {}  # the JSON answer
+        self._reported: Usage | None = None  # the usage the backend reported
+        self._usage_chunk: dict[str, Any] | None = None  # the backend's usage-only chunk, held back
+        self._chunk_usage: Usage | None = None  # what it reported
+        self._named = False  # the first chunk was seen (stream id, created, model rewrite)
         self._model_from = b""
         self._model_to = b""
-        self._stream_id = ""  # of the chunks seen, for chunks Kiln builds itself
+        self._stream_id = ""
         self._created = 0
 
     # -- for subclasses ---------------------------------------------------------
 
-    def _parse_chunks(self) -> bool:
+    def _parses(self) -> bool:
         """True when an enforcement needs every chunk parsed (else bytes pass through)."""
         return False
 
-    def _chunk_parsed(self, data: dict[str, Any]) -> bytes:
-        """Enforce inside one parsed chunk (usage already taken, model already public)."""
-        return self._emit(data, data.get("choices") or [])
+    @abstractmethod
+    def _enforce(self, data: dict[str, Any]) -> tuple[list[dict[str, Any]], bool]:
+        """Enforce inside one parsed chunk: the choices still to send, and whether the output ended."""
+
+    @abstractmethod
+    def _enforce_json(self, data: dict[str, Any]) -> None:
+        """Enforce inside the JSON answer, in place."""
 
     def _stream_options(self, body: dict[str, Any]) -> bool:
-        """Coerce `stream`, check `stream_options`, and ask the upstream for usage."""
+        """Coerce `stream`, check `stream_options`, and always ask the upstream for usage."""
         stream = as_bool(body.get("stream", False))
         if stream is None:
             raise errors.invalid("'stream' must be a boolean (true or false).", param="stream")
-        self.stream = body["stream"] = stream
+        body["stream"] = stream
         options = body.get("stream_options")
         if options is not None:
             if not stream:
@@ -79,111 +85,80 @@ class OpenAITranslator:
             body["stream_options"] = {**(options or {}), "include_usage": True}
         return stream
 
-    # -- request ----------------------------------------------------------------
+    # -- JSON answer --------------------------------------------------------------
 
-    def upstream_body(self, backend: Backend) -> bytes:
-        self._body["model"] = backend.model
-        if backend.model != self.model.id:
-            self._model_from = b'"model":' + orjson.dumps(backend.model)
-            self._model_to = b'"model":' + orjson.dumps(self.model.id)
-        return orjson.dumps(self._body)
-
-    # -- JSON response ------------------------------------------------------------
-
-    def _load_response(self, raw: bytes) -> dict[str, Any]:
-        """The backend's JSON with the public model name and its usage taken."""
-        data = orjson.loads(raw)
-        if not isinstance(data, dict):
-            raise errors.bad_gateway("The model backend returned a malformed response.")
-        data["model"] = self.model.id
-        usage = data.get("usage")
-        if isinstance(usage, dict):
-            self.usage = Usage.from_openai(usage)
-        else:
-            data["usage"] = {}
+    def _response(self, data: dict[str, Any]) -> Usage | None:
+        data["model"] = self.name
+        self._reported = Usage.from_openai(data.get("usage"))
         self._data = data
-        return data
+        self._enforce_json(data)
+        return self._reported
 
-    def render(self, cost_nano: int) -> bytes:
-        usage = self._data["usage"]
-        if not usage:
-            usage.update(self._counts())
-        usage["cost"] = cost_fragment(cost_nano)
-        return orjson.dumps(self._data)
+    def render(self, usage: Usage, cost_nano: int) -> bytes:
+        data = self._data
+        reported = data.get("usage") if usage is self._reported else None
+        data["usage"] = {**(reported if isinstance(reported, dict) else usage_counts(usage)),
+                         "cost": cost_fragment(cost_nano)}
+        return orjson.dumps(data)
 
     # -- stream -------------------------------------------------------------------
 
-    def chunk(self, payload: bytes) -> bytes:
-        if payload == b"[DONE]":
-            self.done = True
-            return b""
-        if payload.startswith(b'{"error"'):
-            raise in_stream_error(orjson.loads(payload))
-        if self._parse_chunks():
-            data = orjson.loads(payload)
-            if self._take_usage(data):
-                return b""
-            data.pop("usage", None)
-            data["model"] = self.model.id
-            self._stream_id = data.get("id", self._stream_id)
-            self._created = data.get("created", self._created)
-            return self._chunk_parsed(data)
-        if b'"usage"' in payload and self._take_usage(orjson.loads(payload)):
-            return b""
-        if not self.chunks:  # the first chunk names the stream
-            head = orjson.loads(payload)
-            self._stream_id, self._created = head.get("id", ""), head.get("created", 0)
-        self.chunks += 1
+    def _chunk(self, payload: bytes) -> Step:
+        if self._parses():
+            return self._parsed(backend_json(payload))
+        usage = None
+        if b'"usage"' in payload:
+            data = backend_json(payload)
+            usage = Usage.from_openai(data.get("usage"))
+            if not choices_of(data):  # the usage chunk: held back for finish()
+                self._usage_chunk, self._chunk_usage = data, usage
+                return b"", usage, 0, False
+        if not self._named:
+            self._name_stream(backend_json(payload))
         if self._model_from:
             payload = payload.replace(self._model_from, self._model_to, 1)
-        return b"data: " + payload + b"\n\n"
+        pieces = 0 if any(p in payload for p in self.empty_piece) else 1
+        return b"data: " + payload + b"\n\n", usage, pieces, False
 
-    def _take_usage(self, data: dict[str, Any]) -> bool:
-        """Record usage from a chunk; True if it is the usage-only chunk (sent at the end, or not)."""
-        usage = data.get("usage")
-        if isinstance(usage, dict):
-            self.usage = Usage.from_openai(usage)
-            if not data.get("choices"):
-                self._usage_chunk = data
-                return True
-        return False
+    def _parsed(self, data: dict[str, Any]) -> Step:
+        usage = Usage.from_openai(data["usage"]) if "usage" in data else None
+        choices = choices_of(data)
+        if not choices and usage is not None:
+            self._usage_chunk, self._chunk_usage = data, usage
+            return b"", usage, 0, False
+        data.pop("usage", None)
+        if not self._named:
+            self._name_stream(data)
+        data["model"] = self.name
+        keep, ended = self._enforce(data)
+        if not keep and choices:
+            return b"", usage, 0, ended
+        data["choices"] = keep
+        return b"data: " + orjson.dumps(data) + b"\n\n", usage, 1, ended
 
-    def _emit(self, data: dict[str, Any], choices: list[dict[str, Any]]) -> bytes:
-        """A parsed chunk back to bytes, with only the choices that still say something."""
-        if not choices and data.get("choices"):
-            return b""
-        self.chunks += 1
-        data["choices"] = choices
-        return b"data: " + orjson.dumps(data) + b"\n\n"
+    def _name_stream(self, head: dict[str, Any]) -> None:
+        """The first chunk names the stream (for chunks Kiln builds) and the backend's model name."""
+        self._named = True
+        self._stream_id = str(head.get("id") or "")
+        created = head.get("created")
+        self._created = created if isinstance(created, int) else 0
+        backend_model = head.get("model")
+        if isinstance(backend_model, str) and backend_model != self.name:
+            self._model_from = b'"model":' + orjson.dumps(backend_model)
+            self._model_to = b'"model":' + orjson.dumps(self.name)
 
-    def finish(self, cost_nano: int) -> bytes:
+    def finish(self, usage: Usage, cost_nano: int) -> bytes:
         if not self.include_usage:
             return DONE
-        chunk = self._usage_chunk or {
-            "id": self._stream_id, "object": self.chunk_object, "created": self._created, "choices": []
-        }
-        chunk["model"] = self.model.id
-        usage = chunk.setdefault("usage", {})
-        if not usage or not self.usage.exact:
-            usage.update(self._counts())
-        usage["cost"] = cost_fragment(cost_nano)
+        chunk = self._usage_chunk
+        if chunk is None or usage is not self._chunk_usage:  # billed from an estimate: say what was billed
+            chunk = {"id": self._stream_id, "object": self.chunk_object, "created": self._created, "choices": [],
+                     "usage": usage_counts(usage)}
+        chunk["model"] = self.name
+        chunk["usage"] = {**chunk["usage"], "cost": cost_fragment(cost_nano)}
         return b"data: " + orjson.dumps(chunk) + b"\n\n" + DONE
 
     def _truncated(self, choices: list[dict[str, Any]], note: str) -> bytes:
         chunk = {"id": self._stream_id, "object": self.chunk_object, "created": self._created,
-                 "model": self.model.id, "choices": choices, "kiln_note": note}
+                 "model": self.name, "choices": choices, "kiln_note": note}
         return b"data: " + orjson.dumps(chunk) + b"\n\n"
-
-    def keepalive(self) -> bytes:
-        return b": keepalive\n\n"
-
-    def error(self, err: GatewayError) -> Reply:
-        return openai_error(err)
-
-    def stream_error(self, err: GatewayError) -> bytes:
-        return openai_stream_error(err)
-
-    def _counts(self) -> dict[str, int]:
-        u = self.usage
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens}

@@ -21,8 +21,9 @@ import orjson
 
 from kiln.catalog import Model
 from kiln.core import errors
+from kiln.protocols import capabilities
 from kiln.protocols.base import as_bool
-from kiln.protocols.openai.responses_reasoning import ReasoningSeal
+from kiln.protocols.reasoning import ReasoningSeal
 
 ENCRYPTED = "reasoning.encrypted_content"
 STATELESS = (
@@ -52,6 +53,7 @@ class MappedRequest:
     single_tool_call: bool = False
     max_output_tokens: int | None = None
     echo: dict[str, Any] = field(default_factory=dict)  # request fields the response object repeats
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)  # backend name -> (namespace, name)
 
 
 def map_request(body: dict[str, Any], model: Model, seal: ReasoningSeal | None) -> MappedRequest:
@@ -67,7 +69,8 @@ def map_request(body: dict[str, Any], model: Model, seal: ReasoningSeal | None) 
     if instructions is not None and not isinstance(instructions, str):
         raise errors.invalid("'instructions' must be a string.", param="instructions")
 
-    history = _History(model, seal)
+    tools, custom, namespaced = _map_tools(body.get("tools"))
+    history = _History(model, seal, {v: k for k, v in namespaced.items()})
     if instructions:
         history.system.append(instructions)
     raw_input = body.get("input")
@@ -84,7 +87,6 @@ def map_request(body: dict[str, Any], model: Model, seal: ReasoningSeal | None) 
 
     chat: dict[str, Any] = {k: v for k, v in body.items() if k not in _CONSUMED}
     chat["messages"] = messages
-    tools, custom = _map_tools(body.get("tools"))
     if tools:
         chat["tools"] = tools
         choice = _map_tool_choice(body.get("tool_choice"), tools, model)
@@ -95,13 +97,13 @@ def map_request(body: dict[str, Any], model: Model, seal: ReasoningSeal | None) 
         custom_tools=custom,
         encrypted_reasoning=ENCRYPTED in include and seal is not None,
         summary=reasoning.get("summary") in ("auto", "concise", "detailed"),
+        namespaced=namespaced,
     )
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and tools:
-        if model.capabilities.parallel_tool_calls:
-            chat["parallel_tool_calls"] = as_bool(parallel) is not False
-        else:  # the model cannot be told; Kiln keeps only the first call itself
-            out.single_tool_call = as_bool(parallel) is False
+        forward, out.single_tool_call = capabilities.parallel_tool_calls(model, as_bool(parallel) is not False)
+        if forward is not None:
+            chat["parallel_tool_calls"] = forward
     limit = body.get("max_output_tokens")
     if limit is not None:
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 1:
@@ -141,9 +143,10 @@ def _check_stateless(body: dict[str, Any]) -> None:
 class _History:
     """Input items in, chat messages out, in one pass."""
 
-    def __init__(self, model: Model, seal: ReasoningSeal | None) -> None:
+    def __init__(self, model: Model, seal: ReasoningSeal | None, flat_names: dict[tuple[str, str], str]) -> None:
         self.model = model
         self.seal = seal
+        self.flat_names = flat_names  # (namespace, name) -> the name the backend knows
         self.system: list[str] = []  # the one leading system message, merged
         self.messages: list[dict[str, Any]] = []
         self.reasoning: list[str] = []  # waiting for the next assistant message
@@ -173,6 +176,9 @@ class _History:
     def add_message(self, i: int, item: dict[str, Any]) -> None:
         role = item.get("role")
         where = f"input[{i}]"
+        if not isinstance(role, str):
+            raise errors.invalid(f"'{where}.role' must be one of user, assistant, system, developer; got {role!r}.",
+                                 param=f"{where}.role")
         if role in _SYSTEM_ROLES:
             text = _text_of(item.get("content"), where, "\n")
             if not self.messages and not self.reasoning:
@@ -214,6 +220,9 @@ class _History:
         else:
             raw = item.get("arguments")
             arguments = raw if isinstance(raw, str) else orjson.dumps(raw if raw is not None else {}).decode()
+            namespace = item.get("namespace")
+            if isinstance(namespace, str):
+                name = self.flat_names.get((namespace, name), flat_name(namespace, name))
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         self._assistant(new=False).setdefault("tool_calls", []).append(call)
 
@@ -260,9 +269,7 @@ class _History:
         return parts
 
     def _image(self, part: dict[str, Any], where: str) -> dict[str, Any]:
-        if not self.model.capabilities.image_input:
-            raise errors.invalid(f"Model '{self.model.id}' does not accept image input; send text only.",
-                                 param=where, code="unsupported_content")
+        capabilities.require_image_input(self.model, where)
         url = part.get("image_url")
         if not isinstance(url, str) or not url:
             raise errors.invalid("input_image needs 'image_url' (a URL or a data: URI); file_id is not supported.",
@@ -287,7 +294,7 @@ def _text_of(content: Any, where: str, joiner: str) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
+        if isinstance(kind, str) and kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             texts.append(part["text"])
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
             texts.append(part["refusal"])
@@ -300,39 +307,66 @@ def _text_of(content: Any, where: str, joiner: str) -> str:
     return joiner.join(texts)
 
 
-def _map_tools(tools: Any) -> tuple[list[dict[str, Any]], frozenset[str]]:
-    """Function and custom tools as chat function tools; tools only OpenAI can run are dropped."""
+def flat_name(namespace: str, name: str) -> str:
+    """A namespace's function as one name a chat backend takes (letters, digits, _ and -)."""
+    return f"{namespace}__{name}"
+
+
+def _map_tools(tools: Any) -> tuple[list[dict[str, Any]], frozenset[str], dict[str, tuple[str, str]]]:
+    """Function, custom and namespace tools as chat function tools (a namespace's functions
+    flattened, with the namespace in the name); tools only OpenAI can run are dropped."""
     if tools is None:
-        return [], frozenset()
+        return [], frozenset(), {}
     if not isinstance(tools, list):
         raise errors.invalid("'tools' must be an array.", param="tools")
     out: list[dict[str, Any]] = []
     custom: set[str] = set()
+    namespaced: dict[str, tuple[str, str]] = {}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise errors.invalid(f"'tools[{i}]' must be an object with a type.", param=f"tools[{i}]")
         kind = tool.get("type")
-        if kind not in ("function", "custom"):
-            continue
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise errors.invalid(f"'tools[{i}].name' is required.", param=f"tools[{i}].name")
-        description = tool.get("description")
-        if kind == "function":
-            if not isinstance(description, str) or not description.strip():
-                raise errors.invalid(f"'tools[{i}].description' is required: say what the function does.",
-                                     param=f"tools[{i}].description")
-            parameters = tool.get("parameters")
-            fn = {"name": name, "description": description,
-                  "parameters": parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}}
-        else:
-            custom.add(name)
-            fn = {"name": name, "description": description if isinstance(description, str) and description
-                  else f"The freeform tool {name}.",
-                  "parameters": {"type": "object", "properties": {"input": {"type": "string",
-                                 "description": _custom_input_hint(tool.get("format"))}}, "required": ["input"]}}
-        out.append({"type": "function", "function": fn})
-    return out, frozenset(custom)
+        if kind == "namespace":
+            out += _namespace_tools(tool, f"tools[{i}]", namespaced)
+        elif kind in ("function", "custom"):
+            fn = _function(tool, f"tools[{i}]", custom)
+            out.append({"type": "function", "function": fn})
+    return out, frozenset(custom), namespaced
+
+
+def _namespace_tools(tool: dict[str, Any], where: str, namespaced: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+    namespace, inner = tool.get("name"), tool.get("tools")
+    if not isinstance(namespace, str) or not namespace or not isinstance(inner, list):
+        raise errors.invalid(f"'{where}' (a namespace) needs a name and a list of tools.", param=where)
+    out = []
+    for j, member in enumerate(inner):
+        if not isinstance(member, dict) or member.get("type") != "function":
+            continue  # only functions can be offered to a chat backend
+        fn = _function(member, f"{where}.tools[{j}]", set())
+        flat = flat_name(namespace, fn["name"])
+        namespaced[flat] = (namespace, fn["name"])
+        out.append({"type": "function", "function": {**fn, "name": flat}})
+    return out
+
+
+def _function(tool: dict[str, Any], where: str, custom: set[str]) -> dict[str, Any]:
+    """One function or custom (freeform) tool as a chat function."""
+    name = tool.get("name")
+    if not isinstance(name, str) or not name:
+        raise errors.invalid(f"'{where}.name' is required.", param=f"{where}.name")
+    description = tool.get("description")
+    if tool.get("type") == "function":
+        if not isinstance(description, str) or not description.strip():
+            raise errors.invalid(f"'{where}.description' is required: say what the function does.",
+                                 param=f"{where}.description")
+        parameters = tool.get("parameters")
+        return {"name": name, "description": description,
+                "parameters": parameters if isinstance(parameters, dict) else {"type": "object", "properties": {}}}
+    custom.add(name)
+    return {"name": name, "description": description if isinstance(description, str) and description
+            else f"The freeform tool {name}.",
+            "parameters": {"type": "object", "properties": {"input": {"type": "string",
+                           "description": _custom_input_hint(tool.get("format"))}}, "required": ["input"]}}
 
 
 def _custom_input_hint(fmt: Any) -> str:
@@ -351,7 +385,7 @@ def _map_tool_choice(choice: Any, tools: list[dict[str, Any]], model: Model) -> 
         mode, mapped = "required", "required"
     elif isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         name = choice.get("name")
-        if name not in names:
+        if not isinstance(name, str) or name not in names:
             raise errors.invalid(f"'tool_choice' names {name!r}, which is not in 'tools'.", param="tool_choice")
         mode, mapped = "named", {"type": "function", "function": {"name": name}}
     elif isinstance(choice, dict) and choice.get("type") == "allowed_tools":
@@ -362,12 +396,8 @@ def _map_tool_choice(choice: Any, tools: list[dict[str, Any]], model: Model) -> 
     else:
         raise errors.invalid('\'tool_choice\' must be "auto", "none", "required" or {"type": "function", "name": ...}.',
                              param="tool_choice")
-    if mode not in model.capabilities.tool_choice:
-        what = 'tool_choice "required"' if mode == "required" else "a named tool_choice"
-        raise errors.invalid(
-            f"Model '{model.id}' does not apply forced tool choice ({what}); send tool_choice \"auto\".",
-            param="tool_choice", code="unsupported_parameter",
-        )
+    capabilities.require_tool_choice(model, mode, 'tool_choice "required"' if mode == "required"
+                                     else "a named tool_choice")
     return mapped
 
 
@@ -389,12 +419,7 @@ def _map_text_format(text: Any, model: Model, chat: dict[str, Any]) -> None:
     kind = fmt.get("type")
     if kind not in ("json_object", "json_schema"):
         raise errors.invalid("'text.format.type' must be text, json_object or json_schema.", param="text.format")
-    if not model.capabilities.response_format:
-        raise errors.invalid(
-            f"Model '{model.id}' does not support structured output (text.format {kind}). "
-            "Ask for JSON in the prompt and validate it in your client.",
-            param="text.format", code="unsupported_parameter",
-        )
+    capabilities.require_structured_output(model, f"text.format {kind}", "text.format")
     if kind == "json_object":
         chat["response_format"] = {"type": "json_object"}
     else:

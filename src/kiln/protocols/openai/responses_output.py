@@ -12,19 +12,16 @@ event, and a final `response.completed` / `.incomplete` / `.failed`.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import orjson
 
-from kiln.protocols.openai.responses_reasoning import ReasoningSeal
+from kiln.protocols.base import new_id, sse_event
+from kiln.protocols.chat_backed import text_of, tool_calls_of
+from kiln.protocols.reasoning import ReasoningSeal
 
 log = logging.getLogger("kiln.responses")
-
-
-def new_id(prefix: str) -> str:
-    return prefix + os.urandom(12).hex()
 
 
 @dataclass
@@ -34,6 +31,7 @@ class Items:
     custom_tools: frozenset[str]
     seal: ReasoningSeal | None  # set when the client asked for reasoning.encrypted_content
     summary: bool
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)  # backend name -> (namespace, name)
 
     def reasoning(self, item_id: str, text: str) -> dict[str, Any]:
         return {
@@ -55,23 +53,31 @@ class Items:
         if name in self.custom_tools:
             return {"type": "custom_tool_call", "id": new_id("ctc_"), "status": "completed",
                     "call_id": call_id, "name": name, "input": custom_input(arguments)}
-        return {"type": "function_call", "id": new_id("fc_"), "status": "completed",
-                "call_id": call_id, "name": name, "arguments": arguments}
+        return self.named({"type": "function_call", "id": new_id("fc_"), "status": "completed",
+                           "call_id": call_id, "name": name, "arguments": arguments})
+
+    def named(self, item: dict[str, Any]) -> dict[str, Any]:
+        """A function call of a namespace's tool under the client's own names (namespace, name)."""
+        names = self.namespaced.get(item["name"])
+        if names is not None:
+            item["namespace"], item["name"] = names
+        return item
 
     def from_message(self, message: dict[str, Any], single_tool_call: bool) -> list[dict[str, Any]]:
         """Items of a non-streamed chat message, in the order reasoning, text, tool calls."""
         items = []
-        thought = message.get("reasoning") or message.get("reasoning_content")
-        if isinstance(thought, str) and thought:
+        thought = text_of(message, "reasoning", "reasoning_content")
+        if thought:
             items.append(self.reasoning(new_id("rs_"), thought))
-        if isinstance(message.get("content"), str) and message["content"]:
-            items.append(self.message(new_id("msg_"), message["content"]))
-        calls = message.get("tool_calls") or []
+        text = text_of(message, "content")
+        if text:
+            items.append(self.message(new_id("msg_"), text))
+        calls = tool_calls_of(message)
         for call in calls[:1] if single_tool_call else calls:
-            fn = call.get("function") or {}
-            args = fn.get("arguments")
-            args = args if isinstance(args, str) else orjson.dumps(args or {}).decode()
-            items.append(self.tool_call(call.get("id") or new_id("call_"), fn.get("name", ""), args))
+            fn = call["function"]
+            call_id = call.get("id")
+            items.append(self.tool_call(call_id if isinstance(call_id, str) and call_id else new_id("call_"),
+                                        fn.get("name") or "", fn.get("arguments") or "{}"))
         return items
 
 
@@ -111,16 +117,19 @@ class _Open:
     call: _Call | None = None
 
 
-def sse(kind: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
 class EventStream:
-    """Chat-completion stream chunks in, Responses events out."""
+    """Chat-completion stream chunks in, Responses events out.
 
-    def __init__(self, items: Items, snapshot: Callable[..., dict[str, Any]], single_tool_call: bool) -> None:
+    `head` is the response object as it stands before any output, encoded
+    once: `response.created` and `response.in_progress` both carry it, and a
+    keepalive carries only `alive`, the few fields that identify the response
+    (Codex resets its idle timer on any event; SDKs keep their snapshot).
+    """
+
+    def __init__(self, items: Items, head: bytes, alive: bytes, single_tool_call: bool) -> None:
         self.items = items
-        self.snapshot = snapshot  # the response object, with overrides
+        self.head = orjson.Fragment(head)
+        self.alive = orjson.Fragment(alive)
         self.single_tool_call = single_tool_call
         self.seq = 0
         self.started = False
@@ -133,34 +142,35 @@ class EventStream:
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return sse(kind, data)
+        return sse_event(kind, data)
 
     def start(self) -> bytes:
         """response.created + response.in_progress, once."""
         if self.started:
             return b""
         self.started = True
-        return (self.event("response.created", response=self.snapshot())
-                + self.event("response.in_progress", response=self.snapshot()))
+        return (self.event("response.created", response=self.head)
+                + self.event("response.in_progress", response=self.head))
 
     def keepalive(self) -> bytes:
-        """An event clients ignore but whose arrival resets Codex's stream idle timer."""
-        return self.start() or self.event("response.in_progress", response=self.snapshot())
+        """The smallest event that resets Codex's stream idle timer (an SSE comment does not)."""
+        return self.start() or self.event("response.in_progress", response=self.alive)
 
-    def feed(self, choice: dict[str, Any]) -> bytes:
-        """One choice of a chat chunk."""
+    def feed(self, choice: dict[str, Any], delta: dict[str, Any]) -> tuple[bytes, bool]:
+        """One choice of a chat chunk: the events, and whether it carried output."""
         out = [self.start()]
-        delta = choice.get("delta") or {}
-        thought = delta.get("reasoning") or delta.get("reasoning_content")
-        if isinstance(thought, str) and thought:
+        thought = text_of(delta, "reasoning", "reasoning_content")
+        if thought:
             out.append(self._text("reasoning", thought))
-        if isinstance(delta.get("content"), str) and delta["content"]:
-            out.append(self._text("message", delta["content"]))
-        for entry in delta.get("tool_calls") or ():
+        text = text_of(delta, "content")
+        if text:
+            out.append(self._text("message", text))
+        calls = tool_calls_of(delta)
+        for entry in calls:
             out.append(self._tool_delta(entry))
-        if choice.get("finish_reason") is not None:
+        if isinstance(choice.get("finish_reason"), str):
             self.finish_reason = choice["finish_reason"]
-        return b"".join(out)
+        return b"".join(out), bool(thought or text or calls)
 
     def close(self) -> bytes:
         """Close the item still open at the end of the generation."""
@@ -202,11 +212,13 @@ class EventStream:
 
     def _tool_delta(self, entry: dict[str, Any]) -> bytes:
         index = entry.get("index", 0)
+        index = index if isinstance(index, int) else 0
         if self.single_tool_call and index != 0:
             return b""
         call = self._calls.setdefault(index, _Call())
-        fn = entry.get("function") or {}
-        call.call_id = entry.get("id") or call.call_id
+        fn = entry["function"]
+        call_id = entry.get("id")
+        call.call_id = call_id if isinstance(call_id, str) and call_id else call.call_id
         call.name = fn.get("name") or call.name
         piece = fn.get("arguments") or ""
         if call.closed:
@@ -235,8 +247,8 @@ class EventStream:
         self._open = _Open("custom" if custom else "function", call.item_id, call.output_index, call=call)
         if custom:
             return b""
-        item = {"type": "function_call", "id": call.item_id, "status": "in_progress",
-                "call_id": call.call_id, "name": call.name, "arguments": ""}
+        item = self.items.named({"type": "function_call", "id": call.item_id, "status": "in_progress",
+                                 "call_id": call.call_id, "name": call.name, "arguments": ""})
         return self.event("response.output_item.added", output_index=call.output_index, item=item)
 
     def _close(self) -> bytes:
@@ -273,7 +285,7 @@ class EventStream:
                         + self.event("response.custom_tool_call_input.delta", **base, delta=done["input"])
                         + self.event("response.custom_tool_call_input.done", **base, input=done["input"]))
             else:
-                out += self.event("response.function_call_arguments.done", **base, name=call.name,
+                out += self.event("response.function_call_arguments.done", **base, name=done["name"],
                                   arguments=call.arguments)
         self.output.append(done)
         return out + self.event("response.output_item.done", output_index=item.output_index, item=done)

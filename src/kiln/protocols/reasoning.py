@@ -1,8 +1,10 @@
-"""Reasoning round trip for a stateless Responses API: `encrypted_content`.
+"""Reasoning round trip for a stateless gateway: Responses' `encrypted_content`, Messages' signature.
 
 Codex sends `store: false` and asks for `reasoning.encrypted_content`, then
-echoes every reasoning item back on the next turn. Kiln keeps no state, so
-the reasoning text itself travels in the blob: zlib-compressed, prefixed
+echoes every reasoning item back on the next turn; Claude Code echoes every
+thinking block with its `signature`, and with `display: "omitted"` never
+sees the text. Kiln keeps no state, so the reasoning text itself travels in
+the blob: zlib-compressed, prefixed
 with an HMAC-SHA256 tag under a server secret. The tag makes the blob
 tamper-evident: a forged, edited or foreign blob (another gateway, OpenAI)
 fails verification and is ignored, and nothing is decompressed before the
