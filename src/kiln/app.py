@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kiln import admin
+from kiln import admin, usage
 from kiln.catalog import Catalog
 from kiln.config import Settings
 from kiln.core import errors
@@ -227,6 +227,7 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         Route("/v1/key", key_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         *admin.routes,
+        *usage.routes,
         *(admin.test_routes if settings.test_clock else []),
     ]
     inner = Starlette(

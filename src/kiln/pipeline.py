@@ -326,6 +326,7 @@ class Gateway:
             cancelled=cancelled,
             ttft_ms=call.ttft_ms,
             duration_ms=(time.monotonic() - call.started) * 1000,
+            streamed=tr.stream,
         )
         await self._finish(call, event.cost_nano, u.prompt_tokens + u.completion_tokens)
         await self.ledger.record(event)
