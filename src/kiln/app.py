@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kiln import admin, usage
+from kiln import access_log, admin, metrics, usage
 from kiln.catalog import Catalog
 from kiln.config import Settings
 from kiln.core import errors
@@ -186,6 +186,7 @@ async def _server_error(request: Request, exc: Exception) -> Response:
 
 def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway], object] | None = None) -> KilnApp:
     """The gateway as an ASGI app; `on_ready(gateway)` runs once everything is open."""
+    access_log.configure(settings.log)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -204,6 +205,8 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         await router.start()
         gateway = Gateway(settings, catalog, accounts, MemoryAdmission(settings.limits), ledger, upstream, router)
         app.state.gateway = gateway
+        metrics.bind(gateway)
+        stop_metrics = metrics.serve(settings.metrics.host, settings.metrics.port) if settings.metrics.port else None
         # Several gateways on one database: take each other's key and limit changes every few seconds.
         refresher = asyncio.create_task(accounts.refresh_forever(settings.refresh_s)) if store.shared else None
         if on_ready is not None:
@@ -216,6 +219,8 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
             if refresher is not None:
                 refresher.cancel()
                 await asyncio.gather(refresher, return_exceptions=True)
+            if stop_metrics is not None:
+                stop_metrics()
             await router.stop()
             await ledger.stop()
             await upstream.close()
@@ -228,6 +233,7 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         Route("/health", health, methods=["GET"]),
         *admin.routes,
         *usage.routes,
+        *metrics.routes,
         *(admin.test_routes if settings.test_clock else []),
     ]
     inner = Starlette(
