@@ -20,7 +20,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kiln import access_log, admin, metrics, usage
+from kiln import access_log, admin, console, metrics, usage
 from kiln.catalog import Catalog
 from kiln.config import Settings
 from kiln.core import errors
@@ -234,6 +234,7 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         *admin.routes,
         *usage.routes,
         *metrics.routes,
+        *console.routes,
         *(admin.test_routes if settings.test_clock else []),
     ]
     inner = Starlette(
