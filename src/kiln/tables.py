@@ -10,6 +10,8 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any
 
+from kiln.store.base import UsageQuery
+
 # The columns of each kind of list, in order.
 COLUMNS: dict[str, tuple[str, ...]] = {
     "orgs": ("id", "name", "credits", "month_spend", "monthly_budget", "rpm_limit", "tpm_limit",
@@ -30,15 +32,11 @@ def render(kind: str, result: Any) -> str:
     if isinstance(result, dict) and result.get("object") == "list":
         columns = COLUMNS[kind]
         if kind == "summary":
-            columns = (*_group_columns(result.get("by", [])), *columns)
+            columns = (*UsageQuery(by=tuple(result.get("by", []))).columns(), *columns)
         return table(columns, result["data"])
     if isinstance(result, dict):
         return _fields(result)
     return str(result)
-
-
-def _group_columns(by: list[str]) -> list[str]:
-    return [g if g in ("day", "model", "endpoint") else f"{g}_id" for g in by]
 
 
 def table(columns: tuple[str, ...] | list[str], rows: list[dict[str, Any]]) -> str:
