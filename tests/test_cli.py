@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+from datetime import datetime, timezone
 from decimal import Decimal
 from pathlib import Path
 from typing import Any, Iterator
@@ -38,7 +39,7 @@ def kiln_admin(gw: Gateway, *args: str, admin_key: str | None = ADMIN_KEY,
 
 
 def admin_json(gw: Gateway, *args: str) -> Any:
-    return json.loads(kiln_admin(gw, *args).stdout)
+    return json.loads(kiln_admin(gw, *args, "--json").stdout)
 
 
 def chat(gw: Gateway, key: str) -> httpx.Response:
@@ -62,13 +63,13 @@ def test_admin_cli_full_lifecycle(gateway: Gateway) -> None:
     projects = admin_json(gateway, "projects", "list", "--org-id", org["id"])
     assert [p["id"] for p in projects["data"]] == [project["id"]]
 
-    created = kiln_admin(gateway, "keys", "create", project["id"], "--name", "ci", "--spend-limit", "1")
+    created = kiln_admin(gateway, "keys", "create", project["id"], "--name", "ci", "--spend-limit", "1", "--json")
     key = json.loads(created.stdout)
     secret = key["key"]
     assert secret.startswith("sk-kiln-")
     assert created.stdout.count(secret) == 1, "the key is printed once"
     assert key["name"] == "ci" and Decimal(key["spend_limit"]) == 1
-    listed = kiln_admin(gateway, "keys", "list", "--project-id", project["id"])
+    listed = kiln_admin(gateway, "keys", "list", "--project-id", project["id"], "--json")
     assert secret not in listed.stdout
     assert [k["id"] for k in json.loads(listed.stdout)["data"]] == [key["id"]]
 
@@ -99,6 +100,75 @@ def test_admin_cli_full_lifecycle(gateway: Gateway) -> None:
     assert chat(gateway, secret).status_code == 403
     again = kiln_admin(gateway, "keys", "reactivate", key["id"], check=False)
     assert again.returncode != 0 and "409" in again.stderr
+
+
+def _columns(line: str) -> list[int]:
+    """Where each word of a table line starts."""
+    return [m.start() for m in re.finditer(r"\S+", line)]
+
+
+def test_admin_cli_prints_tables_by_default(gateway: Gateway) -> None:
+    name = f"cli-table-{time.monotonic_ns()}"
+    created = kiln_admin(gateway, "orgs", "create", name, "--credits", "3.5").stdout
+    assert not created.lstrip().startswith("{")
+    fields = dict(line.split(None, 1) for line in created.splitlines())
+    assert fields["name"] == name and fields["credits"] == "3.5" and fields["monthly_budget"] == "-"
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\dZ", fields["created_at"])
+    org_id = fields["id"]
+
+    listed = kiln_admin(gateway, "orgs", "list").stdout.splitlines()
+    header = listed[0]
+    assert header.split()[:4] == ["ID", "NAME", "CREDITS", "MONTH_SPEND"]
+    [row] = [line for line in listed if org_id in line]
+    assert row.split()[:3] == [org_id, name, "3.5"]
+    assert _columns(row)[:2] == _columns(header)[:2]  # left-aligned text columns line up
+    credits_end = header.index("CREDITS") + len("CREDITS")
+    assert row[:credits_end].endswith("3.5")  # numbers right-aligned under their header
+
+    project_id = dict(line.split(None, 1) for line in
+                      kiln_admin(gateway, "projects", "create", org_id, "web").stdout.splitlines())["id"]
+    key_out = kiln_admin(gateway, "keys", "create", project_id, "--name", "tbl").stdout
+    secret = re.search(r"^key\s+(sk-kiln-\S+)$", key_out, re.M).group(1)  # type: ignore[union-attr]
+    assert key_out.count(secret) == 1 and "not shown again" in key_out
+    assert len(secret) > 40 and "…" not in secret
+    keys = kiln_admin(gateway, "keys", "list", "--project-id", project_id).stdout
+    assert secret not in keys
+    assert keys.splitlines()[0].split()[:5] == ["ID", "NAME", "PREFIX", "PROJECT_ID", "STATUS"]
+    assert " active " in keys.splitlines()[1]
+    empty = kiln_admin(gateway, "projects", "list", "--org-id", "org_nobody").stdout
+    assert empty.splitlines() == ["ID  ORG_ID  NAME  CREATED_AT", "(none)"]
+    # --json before the command works as after it
+    before = json.loads(kiln_admin(gateway, "--json", "orgs", "show", org_id).stdout)
+    assert before["id"] == org_id and before == admin_json(gateway, "orgs", "show", org_id)
+    maintenance = kiln_admin(gateway, "maintenance", "show").stdout
+    assert re.search(r"^active\s+no$", maintenance, re.M)
+
+
+def test_admin_cli_usage_summary(gateway: Gateway) -> None:
+    t = gateway.new_key()
+    for _ in range(2):
+        assert chat(gateway, t.key).status_code == 200
+    events = t.usage()
+    today = datetime.now(timezone.utc).strftime("%Y-%m-%d")
+    cost = sum(Decimal(e["cost"]) for e in events)
+
+    text = kiln_admin(gateway, "usage", "summary", "--by", "day,model", "--key-id", t.key_id).stdout.splitlines()
+    assert text[0].split() == ["DAY", "MODEL", "REQUESTS", "PROMPT_TOKENS", "CACHED_TOKENS", "COMPLETION_TOKENS",
+                               "REASONING_TOKENS", "COST"]
+    [row] = text[1:]
+    cells = row.split()
+    assert cells[:3] == [today, "qwen3-32b", "2"] and Decimal(cells[-1]) == cost
+    assert int(cells[3]) == sum(e["prompt_tokens"] for e in events)
+
+    data = admin_json(gateway, "usage", "summary", "--by", "model", "--org-id", t.org_id)
+    assert data["by"] == ["model"] and data["data"][0]["requests"] == 2 and Decimal(data["data"][0]["cost"]) == cost
+    csv_out = kiln_admin(gateway, "usage", "summary", "--by", "day", "--key-id", t.key_id, "--csv").stdout
+    assert csv_out.splitlines() == [
+        "day,requests,prompt_tokens,cached_tokens,completion_tokens,reasoning_tokens,cost",
+        f"{today},2,{cells[3]},{cells[4]},{cells[5]},{cells[6]},{cells[7]}",
+    ]
+    bad = kiln_admin(gateway, "usage", "summary", "--by", "colour", check=False)
+    assert bad.returncode != 0 and "400" in bad.stderr
 
 
 def test_admin_cli_set_limits(gateway: Gateway) -> None:

@@ -282,3 +282,40 @@ def test_the_exit_status_is_nonzero_and_nothing_is_created(tmp_path: Path) -> No
 def test_bad_environment_override_is_reported(tmp_path: Path) -> None:
     out = problems(serve(tmp_path, GOOD_MODEL, env={"KILN_PORT": "eighty"}))
     line_with(out, "KILN_PORT", "eighty")
+
+
+def test_log_and_metrics_mistakes_are_reported(tmp_path: Path) -> None:
+    out = problems(serve(tmp_path, """
+        [log]
+        format = "xml"
+        level = 3
+        colour = true
+        [metrics]
+        port = 70000
+        host = ""
+        org_label = "yes"
+        prot = 9000
+    """ + GOOD_MODEL))
+    line_with(out, "log.format", "json", "'xml'")
+    line_with(out, "log.level", "info", "3")
+    assert "unknown field" in line_with(out, "log.colour")
+    line_with(out, "metrics.port", "70000")
+    line_with(out, "metrics.host")
+    line_with(out, "metrics.org_label", "true or false")
+    assert "did you mean 'port'" in line_with(out, "metrics.prot")
+    out = problems(serve(tmp_path, "[metrics]\nport = true\n[log]\nformat = 'TEXT'\n" + GOOD_MODEL))
+    line_with(out, "metrics.port", "True")
+    assert "log.format" not in out  # names are not case-sensitive
+
+
+def test_log_and_metrics_settings_load(tmp_path: Path) -> None:
+    from kiln import config
+
+    path = tmp_path / "ok.toml"
+    path.write_text("[log]\nformat = 'JSON'\nlevel = 'warning'\n[metrics]\nport = 9464\nhost = '0.0.0.0'\n"
+                    "org_label = true\n" + GOOD_MODEL)
+    settings = config.load(path, env={})
+    assert (settings.log.format, settings.log.level) == ("json", "warning")
+    assert (settings.metrics.port, settings.metrics.host, settings.metrics.org_label) == (9464, "0.0.0.0", True)
+    defaults = config.load(None, env={})
+    assert (defaults.log.format, defaults.log.level, defaults.metrics.port) == ("auto", "info", None)

@@ -8,12 +8,15 @@ from __future__ import annotations
 import asyncio
 import secrets
 from decimal import Decimal
-from typing import Iterator
+from typing import Any, Iterator
 
 import asyncpg
 import pytest
 
 from conftest import Gateway, Sim, catalog_toml, start_gateway, stop, wait_for
+from kiln.store.postgres import PostgresStore
+from kiln.store.schema import migrations
+from test_usage import check_summary_across_days
 
 DSN = "postgresql://postgres@127.0.0.1:5432/test"
 
@@ -101,3 +104,50 @@ def test_two_gateways_on_one_database_share_keys_and_status(sim: Sim, pg_schema:
     finally:
         stop(a.proc)
         stop(b.proc)
+
+
+def test_postgres_usage_summary_and_generation_lookup(sim: Sim, pg_schema: str) -> None:
+    """The same GROUP BY on PostgreSQL (its own UTC-day expression), and GET /v1/generation."""
+    gw = start_gateway(catalog_toml(sim.url), env={"KILN_DATABASE": f"{DSN}?schema={pg_schema}",
+                                                   "KILN_TEST_CLOCK": "1"})
+    try:
+        check_summary_across_days(gw)
+        t = gw.new_key()
+        r = t.http().post("/v1/chat/completions", json={
+            "model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8})
+        gen_id = r.headers["x-neocloud-generation-id"]
+        data = t.http().get("/v1/generation", params={"id": gen_id}).json()["data"]
+        assert data["id"] == gen_id and data["streamed"] is False and data["cancelled"] is False
+        assert Decimal(str(data["total_cost"])) == Decimal(t.usage()[0]["cost"]) > 0
+        other = gw.new_key()
+        assert other.http().get("/v1/generation", params={"id": gen_id}).status_code == 404
+    finally:
+        stop(gw.proc)
+
+
+def test_postgres_old_usage_events_get_the_defaults(pg_schema: str) -> None:
+    async def run() -> Any:
+        conn = await asyncpg.connect(DSN)
+        try:
+            await conn.execute(f"CREATE SCHEMA {pg_schema}; SET search_path TO {pg_schema}")
+            await conn.execute("CREATE TABLE kiln_schema_version (version INTEGER NOT NULL);"
+                               " INSERT INTO kiln_schema_version VALUES (2)")
+            for sql in migrations("postgres")[:2]:
+                await conn.execute(sql)
+            await conn.execute(
+                "INSERT INTO usage_events (id, created_at, org_id, project_id, key_id, model, endpoint,"
+                " prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens, cost_nano, status, cancelled,"
+                " ttft_ms, duration_ms) VALUES ('gen-old', 1.5, 'o', 'p', 'k', 'm', 'completions',"
+                " 3, 1, 2, 0, 77, 'ok', TRUE, NULL, 12.0)")
+        finally:
+            await conn.close()
+        store = PostgresStore(DSN, pg_schema)
+        await store.open()
+        try:
+            return await store.get_usage("gen-old")
+        finally:
+            await store.close()
+
+    event = asyncio.run(run())
+    assert (event.cost_nano, event.cancelled, event.streamed, event.finish_reason, event.backend) == (
+        77, True, False, None, None)

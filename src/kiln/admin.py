@@ -7,8 +7,8 @@ accepted on input) and are stored as exact nanodollars.
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Awaitable, Callable
+from datetime import datetime, timezone
+from typing import Any, Awaitable, Callable, Mapping
 
 import orjson
 from starlette.requests import Request
@@ -23,7 +23,10 @@ from kiln.core.money import nano_to_usd_str, usd_to_nano
 from kiln.pipeline import Gateway
 from kiln.protocols.openai.errors import openai_error
 
-Handler = Callable[[Request, Gateway, dict[str, Any]], Awaitable[Any]]
+# An admin operation: the gateway, the JSON body, and the path and query parameters.
+# The console calls the same operations with its form fields as the body.
+Params = Mapping[str, str]
+Handler = Callable[[Gateway, dict[str, Any], Params], Awaitable[Any]]
 
 
 def _json(data: Any, status: int = 200) -> Response:
@@ -57,7 +60,7 @@ def _int_or_none(body: dict[str, Any], name: str) -> int | None:
     return value
 
 
-def _time_or_none(body: dict[str, Any], name: str) -> float | None:
+def parse_time(body: dict[str, Any], name: str) -> float | None:
     value = body.get(name)
     if value is None:
         return None
@@ -65,17 +68,19 @@ def _time_or_none(body: dict[str, Any], name: str) -> float | None:
         return float(value)
     if isinstance(value, str):
         try:
-            return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            when = datetime.fromisoformat(value.replace("Z", "+00:00"))
         except ValueError:
             pass
+        else:  # no offset given: UTC, like every date Kiln shows, whatever the server's zone
+            return (when if when.tzinfo else when.replace(tzinfo=timezone.utc)).timestamp()
     raise errors.invalid(f"'{name}' must be a Unix time or an ISO 8601 date.", param=name)
 
 
-async def list_orgs(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+async def list_orgs(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     return {"object": "list", "data": [o.public() for o in gw.accounts.orgs.values()]}
 
 
-async def create_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+async def create_org(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     name = body.get("name")
     if not isinstance(name, str) or not name:
         raise errors.invalid("'name' is required.", param="name")
@@ -92,8 +97,8 @@ async def create_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any
     return org.public()
 
 
-async def get_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
-    org = gw.accounts.org(request.path_params["org_id"])
+async def get_org(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
+    org = gw.accounts.org(params["org_id"])
     totals = await gw.accounts.store.usage_totals(org.id)
     return {
         **org.public(),
@@ -104,7 +109,7 @@ async def get_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
     }
 
 
-async def update_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+async def update_org(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     fields: dict[str, Any] = {}
     if "monthly_budget" in body:
         fields["monthly_budget_nano"] = _usd(body, "monthly_budget")
@@ -114,65 +119,64 @@ async def update_org(request: Request, gw: Gateway, body: dict[str, Any]) -> Any
     unknown = set(body) - {"monthly_budget", "rpm_limit", "tpm_limit", "concurrency_limit"}
     if unknown:
         raise errors.invalid(f"Unknown fields: {', '.join(sorted(unknown))}.")
-    org = await gw.accounts.update_org(request.path_params["org_id"], **fields)
+    org = await gw.accounts.update_org(params["org_id"], **fields)
     return org.public()
 
 
-async def add_credits(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+async def add_credits(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     amount = _usd(body, "amount", allow_none=False, signed=True)
     assert amount is not None
     note = body.get("note") if isinstance(body.get("note"), str) else ""
-    org = await gw.accounts.add_credits(request.path_params["org_id"], amount, note)
+    org = await gw.accounts.add_credits(params["org_id"], amount, note)
     return org.public()
 
 
-async def list_projects(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
-    org_id = request.query_params.get("org_id")
+async def list_projects(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
+    org_id = params.get("org_id")
     data = [p.public() for p in gw.accounts.projects.values() if org_id in (None, p.org_id)]
     return {"object": "list", "data": data}
 
 
-async def create_project(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+async def create_project(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     org_id, name = body.get("org_id"), body.get("name")
     if not isinstance(org_id, str) or not isinstance(name, str) or not name:
         raise errors.invalid("'org_id' and 'name' are required.")
     return (await gw.accounts.create_project(org_id, name)).public()
 
 
-async def list_keys(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
-    q = request.query_params
+async def list_keys(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     data = [
         k.public()
         for k in gw.accounts.keys.values()
-        if q.get("project_id") in (None, k.project_id) and q.get("org_id") in (None, k.org_id)
+        if params.get("project_id") in (None, k.project_id) and params.get("org_id") in (None, k.org_id)
     ]
     return {"object": "list", "data": data}
 
 
-async def create_key(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+async def create_key(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     project_id = body.get("project_id")
     if not isinstance(project_id, str):
         raise errors.invalid("'project_id' is required.", param="project_id")
     name = body.get("name") if isinstance(body.get("name"), str) else ""
     key, secret = await gw.accounts.create_key(
-        project_id, name, _usd(body, "spend_limit"), _time_or_none(body, "expires_at"), **_key_limits(body)
+        project_id, name, _usd(body, "spend_limit"), parse_time(body, "expires_at"), **_key_limits(body)
     )
     return {**key.public(), "key": secret, "note": "Store this key now: it is not shown again."}
 
 
-async def update_key(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+async def update_key(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     fields: dict[str, Any] = {}
     if "spend_limit" in body:
         fields["spend_limit_nano"] = _usd(body, "spend_limit")
     if "expires_at" in body:
-        fields["expires_at"] = _time_or_none(body, "expires_at")
+        fields["expires_at"] = parse_time(body, "expires_at")
     if "name" in body:
         fields["name"] = str(body["name"])
     fields.update(_key_limits(body))
     unknown = set(body) - {"spend_limit", "expires_at", "name", *_KEY_LIMITS}
     if unknown:
         raise errors.invalid(f"Unknown fields: {', '.join(sorted(unknown))}.")
-    return (await gw.accounts.update_key(request.path_params["key_id"], **fields)).public()
+    return (await gw.accounts.update_key(params["key_id"], **fields)).public()
 
 
 _KEY_LIMITS = ("spend_reset", "rpm_limit", "tpm_limit", "concurrency_limit")
@@ -191,39 +195,39 @@ def _key_limits(body: dict[str, Any]) -> dict[str, Any]:
     return fields
 
 
-def _status_setter(status: str) -> Handler:
-    async def handler(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
-        return (await gw.accounts.set_key_status(request.path_params["key_id"], status)).public()
+def status_setter(status: str) -> Handler:
+    """The operation that suspends, reactivates or revokes the key `params["key_id"]`."""
+    async def handler(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
+        return (await gw.accounts.set_key_status(params["key_id"], status)).public()
 
     return handler
 
 
-async def list_usage(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
-    q = request.query_params
+async def list_usage(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     try:
-        limit = min(int(q.get("limit", "100")), 10_000)
+        limit = min(int(params.get("limit", "100")), 10_000)
     except ValueError:
         raise errors.invalid("'limit' must be an integer.", param="limit") from None
-    events = await gw.accounts.store.list_usage(q.get("org_id"), q.get("key_id"), limit)
+    events = await gw.accounts.store.list_usage(params.get("org_id"), params.get("key_id"), limit)
     return {"object": "list", "data": [e.public() for e in events]}
 
 
-async def get_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+async def get_maintenance(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     m = gw.maintenance
     return {"active": m.active, "until": m.until if m.active else None, "message": m.message}
 
 
-async def set_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
-    until = _time_or_none(body, "until")
+async def set_maintenance(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
+    until = parse_time(body, "until")
     if until is not None and until <= gw.clock.time():
         raise errors.invalid("'until' must be in the future (or null to end maintenance).", param="until")
     gw.maintenance.until = until
     if isinstance(body.get("message"), str):
         gw.maintenance.message = body["message"]
-    return await get_maintenance(request, gw, body)
+    return await get_maintenance(gw, body, params)
 
 
-async def advance_clock(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+async def advance_clock(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     """Test-only (KILN_TEST_CLOCK=1): move the gateway's clock forward."""
     seconds = body.get("seconds")
     if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
@@ -232,8 +236,11 @@ async def advance_clock(request: Request, gw: Gateway, body: dict[str, Any]) -> 
     return {"offset_s": gw.clock.offset, "time": gw.clock.time()}
 
 
-def _endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaitable[Response]]:
-    async def endpoint(request: Request) -> Response:
+def endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaitable[Response]]:
+    """An HTTP endpoint for an admin operation: the admin credential, the JSON body, errors in
+    OpenAI's shape; a Response the operation returns goes out as it is (CSV)."""
+
+    async def run(request: Request) -> Response:
         gw: Gateway = request.app.state.gateway
         try:
             token, _ = bearer_token(request.headers.get("authorization"), None)
@@ -249,30 +256,31 @@ def _endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaita
                         raise errors.invalid("The request body is not valid JSON.") from None
                     if not isinstance(body, dict):
                         raise errors.invalid("The request body must be a JSON object.")
-            return _json(await handler(request, gw, body), status)
+            result = await handler(gw, body, {**request.query_params, **request.path_params})
+            return result if isinstance(result, Response) else _json(result, status)
         except GatewayError as err:
             reply = openai_error(err)
             return Response(reply.body, status_code=reply.status, media_type=reply.media_type)
 
-    return endpoint
+    return run
 
 
 routes = [
-    Route("/admin/v1/orgs", _endpoint(list_orgs), methods=["GET"]),
-    Route("/admin/v1/orgs", _endpoint(create_org, 201), methods=["POST"]),
-    Route("/admin/v1/orgs/{org_id}", _endpoint(get_org), methods=["GET"]),
-    Route("/admin/v1/orgs/{org_id}", _endpoint(update_org), methods=["PATCH"]),
-    Route("/admin/v1/orgs/{org_id}/credits", _endpoint(add_credits), methods=["POST"]),
-    Route("/admin/v1/projects", _endpoint(list_projects), methods=["GET"]),
-    Route("/admin/v1/projects", _endpoint(create_project, 201), methods=["POST"]),
-    Route("/admin/v1/keys", _endpoint(list_keys), methods=["GET"]),
-    Route("/admin/v1/keys", _endpoint(create_key, 201), methods=["POST"]),
-    Route("/admin/v1/keys/{key_id}", _endpoint(update_key), methods=["PATCH"]),
-    Route("/admin/v1/keys/{key_id}/suspend", _endpoint(_status_setter("suspended")), methods=["POST"]),
-    Route("/admin/v1/keys/{key_id}/reactivate", _endpoint(_status_setter("active")), methods=["POST"]),
-    Route("/admin/v1/keys/{key_id}/revoke", _endpoint(_status_setter("revoked")), methods=["POST"]),
-    Route("/admin/v1/usage", _endpoint(list_usage), methods=["GET"]),
-    Route("/admin/v1/maintenance", _endpoint(get_maintenance), methods=["GET"]),
-    Route("/admin/v1/maintenance", _endpoint(set_maintenance), methods=["PUT"]),
+    Route("/admin/v1/orgs", endpoint(list_orgs), methods=["GET"]),
+    Route("/admin/v1/orgs", endpoint(create_org, 201), methods=["POST"]),
+    Route("/admin/v1/orgs/{org_id}", endpoint(get_org), methods=["GET"]),
+    Route("/admin/v1/orgs/{org_id}", endpoint(update_org), methods=["PATCH"]),
+    Route("/admin/v1/orgs/{org_id}/credits", endpoint(add_credits), methods=["POST"]),
+    Route("/admin/v1/projects", endpoint(list_projects), methods=["GET"]),
+    Route("/admin/v1/projects", endpoint(create_project, 201), methods=["POST"]),
+    Route("/admin/v1/keys", endpoint(list_keys), methods=["GET"]),
+    Route("/admin/v1/keys", endpoint(create_key, 201), methods=["POST"]),
+    Route("/admin/v1/keys/{key_id}", endpoint(update_key), methods=["PATCH"]),
+    Route("/admin/v1/keys/{key_id}/suspend", endpoint(status_setter("suspended")), methods=["POST"]),
+    Route("/admin/v1/keys/{key_id}/reactivate", endpoint(status_setter("active")), methods=["POST"]),
+    Route("/admin/v1/keys/{key_id}/revoke", endpoint(status_setter("revoked")), methods=["POST"]),
+    Route("/admin/v1/usage", endpoint(list_usage), methods=["GET"]),
+    Route("/admin/v1/maintenance", endpoint(get_maintenance), methods=["GET"]),
+    Route("/admin/v1/maintenance", endpoint(set_maintenance), methods=["PUT"]),
 ]
-test_routes = [Route("/admin/v1/clock", _endpoint(advance_clock), methods=["POST"])]
+test_routes = [Route("/admin/v1/clock", endpoint(advance_clock), methods=["POST"])]

@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kiln import admin
+from kiln import access_log, admin, console, metrics, usage
 from kiln.catalog import Catalog, Model
 from kiln.config import Settings, build_catalog
 from kiln.core import errors
@@ -219,6 +219,7 @@ def create_app(
     one in process with its own store or clock); what is not given is made from `settings`.
     `on_ready(gateway)` runs once everything is open."""
     catalog = catalog or build_catalog(settings)
+    access_log.configure(settings.log)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -242,6 +243,8 @@ def create_app(
         gateway = Gateway(settings, catalog, accounts, admission or MemoryAdmission(settings.limits, clock),
                           ledger, client, router, ctx, clock)
         app.state.gateway = gateway
+        metrics.bind(gateway)
+        stop_metrics = metrics.serve(settings.metrics.host, settings.metrics.port) if settings.metrics.port else None
         # Several gateways on one database: take each other's key and limit changes every few seconds.
         refresher = asyncio.create_task(accounts.refresh_forever(settings.refresh_s)) if db.shared else None
         if on_ready is not None:
@@ -255,6 +258,8 @@ def create_app(
                 refresher.cancel()
                 await asyncio.gather(refresher, return_exceptions=True)
             await gateway.drain(settings.shutdown_grace_s)
+            if stop_metrics is not None:
+                stop_metrics()
             await router.stop()
             await ledger.stop()
             await client.close()
@@ -265,6 +270,9 @@ def create_app(
         Route("/v1/key", key_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         *admin.routes,
+        *usage.routes,
+        *metrics.routes,
+        *console.routes,
         *(admin.test_routes if settings.test_clock else []),
     ]
     inner = Starlette(

@@ -2,7 +2,7 @@
 
     kiln serve [--config kiln.toml] [--host H] [--port P] [--data-dir D]
     kiln sim [--port P] ...                      (the vLLM-like model-server simulator)
-    kiln admin orgs|projects|keys|usage|maintenance ...   (talks to a running gateway)
+    kiln admin [--json] orgs|projects|keys|usage|maintenance ...   (talks to a running gateway)
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import os
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kiln import config
+from kiln import config, tables
 from kiln.config import ConfigError, Settings
 
 DEMO_CREDITS_USD = "5"
@@ -160,6 +161,7 @@ def _admin_parser(sub: Any) -> None:
     admin = sub.add_parser("admin", help="administer a running gateway through /admin/v1")
     admin.add_argument("--url", default=os.environ.get("KILN_URL", "http://127.0.0.1:8080"))
     admin.add_argument("--admin-key", default=os.environ.get("KILN_ADMIN_KEY"))
+    admin.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
     what = admin.add_subparsers(dest="what", required=True)
 
     orgs = what.add_parser("orgs").add_subparsers(dest="verb", required=True)
@@ -211,6 +213,13 @@ def _admin_parser(sub: Any) -> None:
     ul.add_argument("--org-id")
     ul.add_argument("--key-id")
     ul.add_argument("--limit", type=int, default=20)
+    us = usage.add_parser("summary", help="requests, tokens and cost per group, e.g. --by day,model")
+    us.add_argument("--by", default="day", help="comma-separated: day, org, project, key, model, endpoint")
+    for name in ("--org-id", "--project-id", "--key-id", "--model"):
+        us.add_argument(name)
+    us.add_argument("--since", help="Unix time or ISO 8601 (UTC unless an offset is given)")
+    us.add_argument("--until", help="Unix time or ISO 8601, exclusive")
+    us.add_argument("--csv", action="store_true", help="print CSV (for a spreadsheet)")
 
     maint = what.add_parser("maintenance").add_subparsers(dest="verb", required=True)
     maint.add_parser("show")
@@ -218,6 +227,10 @@ def _admin_parser(sub: Any) -> None:
     mon.add_argument("until", help="end of maintenance: Unix time or ISO 8601")
     mon.add_argument("--message")
     maint.add_parser("off")
+    for group in (orgs, projects, keys, usage, maint):  # `--json` after the verb too
+        for verb_parser in group.choices.values():
+            verb_parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                                     help="print the API's JSON instead of a table")
 
 
 def _key_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -259,6 +272,9 @@ def admin_command(args: argparse.Namespace) -> None:
         ("usage", "list"): ("GET", "/usage" + _query(org_id=getattr(args, "org_id", None),
                                                      key_id=getattr(args, "key_id", None),
                                                      limit=getattr(args, "limit", None)), None),
+        ("usage", "summary"): ("GET", "/usage/summary" + (".csv" if getattr(args, "csv", False) else "")
+                               + _query(**{n: getattr(args, n, None) for n in (
+                                   "by", "org_id", "project_id", "key_id", "model", "since", "until")}), None),
         ("maintenance", "show"): ("GET", "/maintenance", None),
         ("maintenance", "on"): ("PUT", "/maintenance", {"until": _when(getattr(args, "until", None)),
                                                         **({"message": args.message} if getattr(args, "message", None)
@@ -269,7 +285,16 @@ def admin_command(args: argparse.Namespace) -> None:
         method, path, body = "POST", f"/keys/{args.key_id}/{v}", {}
     else:
         method, path, body = calls[(w, v)]
-    print(json.dumps(_call(args.url, args.admin_key, method, path, body), indent=2))
+    result = _call(args.url, args.admin_key, method, path, body)
+    if isinstance(result, str):  # CSV, as it came
+        sys.stdout.write(result)
+    elif args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        note = result.pop("note", None) if isinstance(result, dict) else None  # a new key's "shown once"
+        print(tables.render("summary" if (w, v) == ("usage", "summary") else w, result))
+        if note:
+            print(f"\n{note}")
 
 
 def _when(value: str | None) -> float | str | None:
@@ -282,8 +307,8 @@ def _when(value: str | None) -> float | str | None:
 
 
 def _query(**params: Any) -> str:
-    pairs = [f"{k}={v}" for k, v in params.items() if v is not None]
-    return "?" + "&".join(pairs) if pairs else ""
+    pairs = {k: v for k, v in params.items() if v is not None}
+    return "?" + urllib.parse.urlencode(pairs) if pairs else ""
 
 
 def _call(url: str, admin_key: str, method: str, path: str, body: dict[str, Any] | None) -> Any:
@@ -296,7 +321,10 @@ def _call(url: str, admin_key: str, method: str, path: str, body: dict[str, Any]
     )
     try:
         with urllib.request.urlopen(req, timeout=30) as resp:
-            return json.loads(resp.read() or b"null")
+            raw = resp.read()
+            if resp.headers.get_content_type() == "text/csv":
+                return raw.decode()
+            return json.loads(raw or b"null")
     except urllib.error.HTTPError as exc:
         raise SystemExit(f"kiln admin: HTTP {exc.code}: {exc.read().decode(errors='replace')}") from None
     except urllib.error.URLError as exc:

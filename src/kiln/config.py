@@ -40,6 +40,24 @@ class Limits:
 
 
 @dataclass
+class LogSettings:
+    """The access log: one line per request (access_log.py)."""
+
+    format: str = "auto"  # json | text | auto: JSON unless stderr is a terminal
+    level: str = "info"  # info: every request; warning: only 5xx; error: none
+
+
+@dataclass
+class MetricsSettings:
+    """GET /metrics (metrics.py): on the main port with the admin credential, and on `port`
+    (if set) with none, bound to `host`."""
+
+    port: int | None = None
+    host: str = "127.0.0.1"
+    org_label: bool = False  # label tokens and cost by organisation too (one series per org)
+
+
+@dataclass
 class Settings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
@@ -58,6 +76,8 @@ class Settings:
     refresh_s: float = 2.0  # shared database: how often to take other gateways' key and limit changes
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
+    log: LogSettings = field(default_factory=LogSettings)
+    metrics: MetricsSettings = field(default_factory=MetricsSettings)
     models: list[dict[str, Any]] = field(default_factory=list)  # validated model tables
     demo: bool = False  # no models configured: serve the simulated demo model
     admin_key: str | None = None  # from KILN_ADMIN_KEY
@@ -79,6 +99,8 @@ _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 _LIMIT_FIELDS: dict[str, type | tuple[type, ...]] = {"rpm": int, "tpm": int, "concurrency": int,
                                                       "count_tokens_rpm": int}
+LOG_FORMATS = ("auto", "json", "text")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _MODEL_FIELDS = {
     "id", "aliases", "backends", "context_window", "max_output_tokens", "prices",
     "capabilities", "family", "owned_by", "simulated",
@@ -100,7 +122,7 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
     problems: list[str] = []
-    _unknown(raw, {"server", "limits", "models"}, "", problems)
+    _unknown(raw, {"server", "limits", "log", "metrics", "models"}, "", problems)
     settings = Settings()
     server = _table(raw, "server", problems)
     _unknown(server, set(_SERVER_FIELDS), "server.", problems)
@@ -119,6 +141,8 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
                 problems.append(f"limits.{name}: expected a positive integer, got {limits[name]!r}")
             else:
                 setattr(settings.limits, name, limits[name])
+    _check_log(_table(raw, "log", problems), settings.log, problems)
+    _check_metrics(_table(raw, "metrics", problems), settings.metrics, problems)
     if settings.sqlite_synchronous.upper() not in ("NORMAL", "FULL"):
         problems.append("server.sqlite_synchronous: expected 'normal' or 'full'")
     # Environment overrides (for containers and tests) and secrets.
@@ -156,6 +180,36 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
     settings.models = models
     settings.demo = not models
     return settings
+
+
+def _check_log(table: dict[str, Any], log: LogSettings, problems: list[str]) -> None:
+    _unknown(table, {"format", "level"}, "log.", problems)
+    for name, allowed in (("format", LOG_FORMATS), ("level", LOG_LEVELS)):
+        if name in table:
+            value = table[name]
+            if not isinstance(value, str) or value.lower() not in allowed:
+                problems.append(f"log.{name}: expected one of {', '.join(allowed)}, got {value!r}")
+            else:
+                setattr(log, name, value.lower())
+
+
+def _check_metrics(table: dict[str, Any], metrics: MetricsSettings, problems: list[str]) -> None:
+    _unknown(table, {"port", "host", "org_label"}, "metrics.", problems)
+    if "port" in table:
+        if not _positive_int(table["port"]) or table["port"] > 65535:
+            problems.append(f"metrics.port: expected a port number (1-65535), got {table['port']!r}")
+        else:
+            metrics.port = table["port"]
+    if "host" in table:
+        if not isinstance(table["host"], str) or not table["host"]:
+            problems.append(f"metrics.host: expected an address to listen on, got {table['host']!r}")
+        else:
+            metrics.host = table["host"]
+    if "org_label" in table:
+        if not isinstance(table["org_label"], bool):
+            problems.append("metrics.org_label: expected true or false")
+        else:
+            metrics.org_label = table["org_label"]
 
 
 def build_catalog(settings: Settings, env: dict[str, str] | None = None, sim_url: str | None = None) -> Catalog:

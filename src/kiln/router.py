@@ -65,7 +65,9 @@ class Router:
             backend.url + "/models", timeout
         )
         if not ok:
-            self.failed(backend)
+            if backend.available:
+                log.warning("backend %s failed its health check; marking it down", backend.url)
+            backend.mark_down(self.retry_s * 3)  # down until a probe passes (probes run every retry_s)
             return
         if not backend.available:
             log.info("backend %s is back", backend.url)

@@ -46,6 +46,11 @@ class Ledger:
             pass
         self._task = None
 
+    @property
+    def depth(self) -> int:
+        """Events queued and not yet committed (for the metrics)."""
+        return self._queue.qsize()
+
     def submit(self, event: UsageEvent) -> asyncio.Future[None]:
         """Queue an event; the future resolves once it is committed."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()

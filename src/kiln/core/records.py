@@ -117,6 +117,9 @@ class UsageEvent:
     cancelled: bool = False
     ttft_ms: float | None = None
     duration_ms: float = 0.0
+    streamed: bool = False
+    finish_reason: str | None = None  # the first output's, as the client saw it (stop, length, ...)
+    backend: str | None = None  # the URL of the model server that served it; operators only
 
     def public(self) -> dict[str, Any]:
         d = asdict(self)

@@ -9,7 +9,7 @@ reach the store in batches through the ledger writer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from kiln.core.records import ApiKey, Org, Project, UsageEvent
 
@@ -21,8 +21,10 @@ KEY_COLUMNS = (
 )
 USAGE_COLUMNS = (
     "id, created_at, org_id, project_id, key_id, model, endpoint, prompt_tokens, cached_tokens,"
-    " completion_tokens, reasoning_tokens, cost_nano, status, cancelled, ttft_ms, duration_ms"
+    " completion_tokens, reasoning_tokens, cost_nano, status, cancelled, ttft_ms, duration_ms,"
+    " streamed, finish_reason, backend"
 )
+USAGE_COLUMN_COUNT = USAGE_COLUMNS.count(",") + 1
 ORG_UPDATABLE = {"name", "credits_nano", "monthly_budget_nano", "rpm_limit", "tpm_limit", "concurrency_limit"}
 KEY_UPDATABLE = {
     "name", "status", "spend_limit_nano", "expires_at", "spend_reset", "rpm_limit", "tpm_limit", "concurrency_limit"
@@ -34,9 +36,16 @@ def usage_rows(events: list[UsageEvent]) -> list[tuple[Any, ...]]:
     return [
         (e.id, e.created_at, e.org_id, e.project_id, e.key_id, e.model, e.endpoint, e.prompt_tokens,
          e.cached_tokens, e.completion_tokens, e.reasoning_tokens, e.cost_nano, e.status,
-         e.cancelled, e.ttft_ms, e.duration_ms)
+         e.cancelled, e.ttft_ms, e.duration_ms, e.streamed, e.finish_reason, e.backend)
         for e in events
     ]
+
+
+def usage_event(row: Any) -> UsageEvent:
+    """A row in USAGE_COLUMNS order as an event (SQLite gives booleans as 0/1)."""
+    event = UsageEvent(*row)
+    event.cancelled, event.streamed = bool(event.cancelled), bool(event.streamed)
+    return event
 
 
 def cost_by_owner(events: list[UsageEvent]) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
@@ -48,6 +57,70 @@ def cost_by_owner(events: list[UsageEvent]) -> tuple[list[tuple[int, str]], list
             orgs[e.org_id] = orgs.get(e.org_id, 0) + e.cost_nano
             keys[e.key_id] = keys.get(e.key_id, 0) + e.cost_nano
     return [(c, o) for o, c in sorted(orgs.items())], [(c, k) for k, c in sorted(keys.items())]
+
+
+# What usage can be grouped by (an admin's `by`), and the column each one reads; "day" is a UTC date.
+USAGE_GROUPS = {"day": "", "org": "org_id", "project": "project_id", "key": "key_id", "model": "model",
+                "endpoint": "endpoint"}
+USAGE_TOTALS = ("requests", "prompt_tokens", "cached_tokens", "completion_tokens", "reasoning_tokens", "cost_nano")
+
+
+@dataclass(frozen=True, slots=True)
+class UsageQuery:
+    """Which usage events to add up (all given filters apply) and how to group them."""
+
+    by: tuple[str, ...] = ()
+    org_id: str | None = None
+    project_id: str | None = None
+    key_id: str | None = None
+    model: str | None = None
+    since: float | None = None  # Unix time, inclusive
+    until: float | None = None  # Unix time, exclusive
+
+    def __post_init__(self) -> None:
+        unknown = [g for g in self.by if g not in USAGE_GROUPS]
+        if unknown or len(set(self.by)) != len(self.by):
+            raise ValueError(f"cannot group usage by {self.by!r}")
+
+    def columns(self) -> list[str]:
+        """The names of a summary row's group fields, in `by` order."""
+        return [USAGE_GROUPS[g] or g for g in self.by]
+
+
+def usage_summary_sql(q: UsageQuery, day_sql: str, param: Callable[[int], str]) -> tuple[str, list[Any]]:
+    """One GROUP BY over usage_events for `q`; `day_sql` renders created_at as a UTC
+    YYYY-MM-DD date and `param(n)` the n-th placeholder, per dialect. Only names from
+    USAGE_GROUPS reach the SQL text; every value is a parameter."""
+    groups = [(USAGE_GROUPS[g] or day_sql) for g in q.by]
+    where, args = [], []
+    for column in ("org_id", "project_id", "key_id", "model"):
+        value = getattr(q, column)
+        if value is not None:
+            args.append(value)
+            where.append(f"{column} = {param(len(args))}")
+    for op, value in ((">=", q.since), ("<", q.until)):
+        if value is not None:
+            args.append(value)
+            where.append(f"created_at {op} {param(len(args))}")
+    select = [f"{g} AS g{i}" for i, g in enumerate(groups)]
+    select += ["COUNT(*)"] + [f"COALESCE(SUM({c}), 0)" for c in USAGE_TOTALS[1:]]
+    sql = f"SELECT {', '.join(select)} FROM usage_events"
+    if where:
+        sql += " WHERE " + " AND ".join(where)
+    if groups:
+        order = ", ".join(f"g{i}" for i in range(len(groups)))
+        sql += f" GROUP BY {order} ORDER BY {order}"
+    return sql, args
+
+
+def summary_rows(q: UsageQuery, rows: list[Any]) -> list[dict[str, Any]]:
+    """Result rows as dicts: the group fields, then USAGE_TOTALS as integers."""
+    names = q.columns()
+    return [
+        {**dict(zip(names, row)), **{t: int(v) for t, v in zip(USAGE_TOTALS, row[len(names):])}}
+        for row in rows
+        if row[len(names)]  # no events: SQL's one all-zero row of an ungrouped empty sum
+    ]
 
 
 def check_updatable(table: str, allowed: set[str], fields: dict[str, Any]) -> None:
@@ -93,6 +166,10 @@ class Store(Protocol):
     async def list_usage(
         self, org_id: str | None = None, key_id: str | None = None, limit: int = 100
     ) -> list[UsageEvent]: ...
+    async def get_usage(self, event_id: str) -> UsageEvent | None: ...
+    async def usage_summary(self, query: UsageQuery) -> list[dict[str, Any]]:
+        """Requests, tokens and cost (nanodollars) per group of `query.by`, in group order."""
+
     async def usage_totals(self, org_id: str) -> dict[str, int]:
         """{'events': n, 'cost_nano': sum, 'granted_nano': credits ever added}."""
 

@@ -22,9 +22,13 @@ from kiln.store.base import (
     ORG_UPDATABLE,
     USAGE_COLUMNS,
     Snapshot,
+    UsageQuery,
     check_updatable,
     cost_by_owner,
+    summary_rows,
+    usage_event,
     usage_rows,
+    usage_summary_sql,
 )
 from kiln.store.schema import migrations
 
@@ -160,8 +164,16 @@ class PostgresStore:
             sql += " WHERE " + " AND ".join(where)
         args.append(limit)
         sql += f" ORDER BY created_at DESC, seq DESC LIMIT ${len(args)}"
-        rows = await self._pool.fetch(sql, *args)
-        return [UsageEvent(*r[:13], cancelled=r[13], ttft_ms=r[14], duration_ms=r[15]) for r in rows]
+        return [usage_event(r) for r in await self._pool.fetch(sql, *args)]
+
+    async def get_usage(self, event_id: str) -> UsageEvent | None:
+        row = await self._pool.fetchrow(f"SELECT {USAGE_COLUMNS} FROM usage_events WHERE id = $1", event_id)
+        return None if row is None else usage_event(row)
+
+    async def usage_summary(self, query: UsageQuery) -> list[dict[str, Any]]:
+        day = "to_char(to_timestamp(created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+        sql, args = usage_summary_sql(query, day, lambda n: f"${n}")
+        return summary_rows(query, await self._pool.fetch(sql, *args))
 
     async def usage_totals(self, org_id: str) -> dict[str, int]:
         async with self._pool.acquire() as conn:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 _TYPES = {
     "sqlite": {"money": "INTEGER", "time": "REAL", "serial": "INTEGER PRIMARY KEY AUTOINCREMENT",
-               "boolean": "INTEGER", "seq": ""},
+               "boolean": "INTEGER", "false": "0", "seq": ""},
     "postgres": {"money": "BIGINT", "time": "DOUBLE PRECISION", "serial": "BIGSERIAL PRIMARY KEY",
-                 "boolean": "BOOLEAN", "seq": "        seq BIGSERIAL,\n"},  # SQLite orders by rowid
+                 "boolean": "BOOLEAN", "false": "FALSE", "seq": "        seq BIGSERIAL,\n"},  # SQLite orders by rowid
 }
 
 _MIGRATIONS: list[str] = [
@@ -79,6 +79,12 @@ _MIGRATIONS: list[str] = [
     ALTER TABLE api_keys ADD COLUMN rpm_limit INTEGER;
     ALTER TABLE api_keys ADD COLUMN tpm_limit INTEGER;
     ALTER TABLE api_keys ADD COLUMN concurrency_limit INTEGER;
+    """,
+    # What GET /v1/generation reports beside the tokens: events from before this read false / null.
+    """
+    ALTER TABLE usage_events ADD COLUMN streamed {boolean} NOT NULL DEFAULT {false};
+    ALTER TABLE usage_events ADD COLUMN finish_reason TEXT;
+    ALTER TABLE usage_events ADD COLUMN backend TEXT;
     """,
 ]
 

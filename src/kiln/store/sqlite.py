@@ -22,11 +22,16 @@ from kiln.store.base import (
     KEY_UPDATABLE,
     ORG_COLUMNS,
     ORG_UPDATABLE,
+    USAGE_COLUMN_COUNT,
     USAGE_COLUMNS,
     Snapshot,
+    UsageQuery,
     check_updatable,
     cost_by_owner,
+    summary_rows,
+    usage_event,
     usage_rows,
+    usage_summary_sql,
 )
 from kiln.store.schema import migrations
 
@@ -163,7 +168,7 @@ class SQLiteStore:
 
         def record(db: sqlite3.Connection) -> None:
             with _tx(db):
-                db.executemany(f"INSERT INTO usage_events ({USAGE_COLUMNS}) VALUES ({','.join('?' * 16)})", rows)
+                db.executemany(f"INSERT INTO usage_events ({USAGE_COLUMNS}) VALUES ({','.join('?' * USAGE_COLUMN_COUNT)})", rows)
                 db.executemany(
                     "UPDATE orgs SET credits_nano = credits_nano - ? WHERE id = ?",
                     org_cost,
@@ -201,13 +206,20 @@ class SQLiteStore:
         args.append(limit)
 
         def query(db: sqlite3.Connection) -> list[UsageEvent]:
-            out = []
-            for r in db.execute(sql, args):
-                e = UsageEvent(*r[:13], cancelled=bool(r[13]), ttft_ms=r[14], duration_ms=r[15])
-                out.append(e)
-            return out
+            return [usage_event(r) for r in db.execute(sql, args)]
 
         return await self._run(query)
+
+    async def get_usage(self, event_id: str) -> UsageEvent | None:
+        def query(db: sqlite3.Connection) -> UsageEvent | None:
+            row = db.execute(f"SELECT {USAGE_COLUMNS} FROM usage_events WHERE id = ?", (event_id,)).fetchone()
+            return None if row is None else usage_event(row)
+
+        return await self._run(query)
+
+    async def usage_summary(self, query: UsageQuery) -> list[dict[str, Any]]:
+        sql, args = usage_summary_sql(query, "strftime('%Y-%m-%d', created_at, 'unixepoch')", lambda _: "?")
+        return summary_rows(query, await self._run(lambda db: db.execute(sql, args).fetchall()))
 
     async def usage_totals(self, org_id: str) -> dict[str, int]:
         def query(db: sqlite3.Connection) -> dict[str, int]:

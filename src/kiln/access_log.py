@@ -1,0 +1,134 @@
+"""The access log: one structured line per request, for the operator's log pipeline.
+
+JSON (one object a line) when stderr is not a terminal or with `[log] format = "json"`;
+`key=value` text on a terminal or with "text". A line carries the generation id and the
+organisation, project and key ids, never a key's secret, and never anything per chunk.
+The request path calls `log_request` once per request, when its outcome is known.
+
+Levels: a 5xx is logged as a warning, everything else as info, so `[log] level = "warning"`
+keeps only the gateway's and the backends' failures and "error" turns the log off.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+import time
+from datetime import datetime, timezone
+from functools import lru_cache
+from typing import IO, Any
+from urllib.parse import urlsplit, urlunsplit
+
+import orjson
+
+from kiln.config import LogSettings
+from kiln.core.money import nano_to_usd_str
+from kiln.core.records import ApiKey, UsageEvent
+
+log = logging.getLogger("kiln.access")
+_json = True
+
+
+class _Line(logging.Formatter):
+    """The message is the finished line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return record.getMessage()
+
+
+def configure(settings: LogSettings, stream: IO[str] | None = None) -> None:
+    """Send access lines to `stream` (stderr) in the configured format, at the configured level."""
+    global _json
+    stream = stream or sys.stderr
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(_Line())
+    log.handlers = [handler]
+    log.propagate = False  # one line once, not again through the root logger
+    log.setLevel(settings.level.upper())
+    _json = settings.format == "json" or (settings.format == "auto" and not _isatty(stream))
+
+
+def _isatty(stream: IO[str]) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def log_request(
+    *,
+    status: int,
+    endpoint: str,
+    duration_ms: float,
+    event: UsageEvent | None = None,
+    key: ApiKey | None = None,
+    model: str | None = None,
+    backend: str | None = None,
+    error: str | None = None,
+) -> None:
+    """One line for one request: a metered one from its usage `event`; a refused one (no event)
+    from its `key` if it got that far. `error` is the metrics' error type, if it failed."""
+    level = logging.WARNING if status >= 500 else logging.INFO
+    if not log.isEnabledFor(level):
+        return
+    owner: Any = event or key
+    fields: dict[str, Any] = {
+        "time": _now(),
+        "generation_id": event.id if event else None,
+        "org_id": owner.org_id if owner else None,
+        "project_id": owner.project_id if owner else None,
+        "key_id": event.key_id if event else (key.id if key else None),
+        "model": event.model if event else model,
+        "endpoint": endpoint,
+        "status": status,
+        "error": error,
+        "prompt_tokens": event.prompt_tokens if event else 0,
+        "cached_tokens": event.cached_tokens if event else 0,
+        "completion_tokens": event.completion_tokens if event else 0,
+        "reasoning_tokens": event.reasoning_tokens if event else 0,
+        "cost": nano_to_usd_str(event.cost_nano) if event else "0",
+        "ttft_ms": None if not event or event.ttft_ms is None else round(event.ttft_ms, 1),
+        "duration_ms": round(duration_ms, 1),
+        "backend": _safe_url(backend or (event.backend if event else None)),
+        "cancelled": event.cancelled if event else False,
+    }
+    line = _render_json(fields) if _json else _render_text(fields)
+    # A record made here rather than by log.log(): that one walks the stack for the caller's
+    # file and line (a third of its cost), which an access line does not need.
+    log.handle(logging.LogRecord(log.name, level, __file__, 0, line, None, None))
+
+
+def _now() -> str:
+    return datetime.fromtimestamp(time.time(), timezone.utc).isoformat(timespec="milliseconds").replace(
+        "+00:00", "Z")
+
+
+@lru_cache(maxsize=256)
+def _safe_url(url: str | None) -> str | None:
+    """A backend URL without any user:password in it."""
+    if not url or "@" not in url:
+        return url
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(netloc=parts.hostname + (f":{parts.port}" if parts.port else "")))
+
+
+def _render_json(fields: dict[str, Any]) -> str:
+    # The cost as an exact decimal number, as on the API's responses.
+    return orjson.dumps({**fields, "cost": orjson.Fragment(fields["cost"].encode())}).decode()
+
+
+def _render_text(fields: dict[str, Any]) -> str:
+    return " ".join(f"{name}={_text(value)}" for name, value in fields.items() if value is not None)
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    text = str(value)
+    if not text or _NEEDS_QUOTES.search(text):
+        return orjson.dumps(text).decode()  # quoted and escaped
+    return text
+
+
+_NEEDS_QUOTES = re.compile(r'[\s"=\\]')
