@@ -2,7 +2,8 @@
 prometheus-client's own parser, and GET /metrics on a real gateway, on its main port (admin
 credential) and on a port of its own (none).
 
-The pipeline does not call the recording functions yet; these tests call them directly.
+These tests call the recording functions directly; tests/test_observability.py checks what
+the request path feeds them.
 """
 
 from __future__ import annotations

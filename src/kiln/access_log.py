@@ -90,7 +90,7 @@ def log_request(
         "cost": nano_to_usd_str(event.cost_nano) if event else "0",
         "ttft_ms": None if not event or event.ttft_ms is None else round(event.ttft_ms, 1),
         "duration_ms": round(duration_ms, 1),
-        "backend": _safe_url(backend or (event.backend if event else None)),
+        "backend": safe_url(backend or (event.backend if event else None)),
         "cancelled": event.cancelled if event else False,
     }
     line = _render_json(fields) if _json else _render_text(fields)
@@ -105,7 +105,7 @@ def _now() -> str:
 
 
 @lru_cache(maxsize=256)
-def _safe_url(url: str | None) -> str | None:
+def safe_url(url: str | None) -> str | None:
     """A backend URL without any user:password in it."""
     if not url or "@" not in url:
         return url

@@ -229,7 +229,7 @@ def create_app(
         await accounts.load()
         if settings.admin_key:
             accounts.add_admin_hash(hash_key(settings.admin_key))
-        ledger = Ledger(db)
+        ledger = Ledger(db, on_commit=metrics.record_ledger_commit)
         await ledger.start()
         client = upstream or Upstream(Limits(connect_s=settings.connect_timeout_s,
                                              idle_s=settings.stream_idle_timeout_s,

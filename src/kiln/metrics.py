@@ -47,7 +47,7 @@ from kiln.protocols.openai.errors import openai_error
 
 # Each endpoint and OpenTelemetry's gen_ai.operation.name for it.
 OPERATIONS = {"chat.completions": "chat", "completions": "text_completion", "responses": "chat",
-              "messages": "chat", "count_tokens": "count_tokens"}
+              "messages": "chat", "messages.count_tokens": "count_tokens"}
 # Why a request failed. The gateway's own refusals (unauthorized ... unavailable) are told
 # apart from the model server's failures ("backend"), whatever HTTP status those map to.
 ERROR_TYPES = ("none", "invalid_request", "unauthorized", "payment_required", "forbidden", "rate_limited",

@@ -33,7 +33,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kiln import tokenizer
+from kiln import access_log, metrics, observe, tokenizer
 from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
 from kiln.core import errors
@@ -72,7 +72,9 @@ class Maintenance:
     def error(self) -> GatewayError:
         assert self.until is not None
         when = format_datetime(datetime.fromtimestamp(self.until, timezone.utc), usegmt=True)
-        return errors.unavailable(f"{self.message} Retry after {when}.", headers={"Retry-After": when})
+        err = errors.unavailable(f"{self.message} Retry after {when}.", headers={"Retry-After": when})
+        err.reason = "maintenance"
+        return err
 
 
 @dataclass
@@ -90,6 +92,7 @@ class _Run:
     usage: Usage | None = None  # the latest the backend reported
     delivered: int = 0  # output pieces that reached the client (about one token each)
     ttft_ms: float | None = None
+    backend_s: float = 0.0  # time spent waiting for the backend (the rest is the gateway's own)
     metered: tuple[UsageEvent, Usage] | None = None  # the event, once recorded
 
 
@@ -132,6 +135,8 @@ class Gateway:
     async def handle(self, request: Request, make: MakeTranslator) -> Response | StreamResponse:
         started = time.monotonic()
         tr = make(self.ctx)
+        key: ApiKey | None = None
+        call: UpstreamCall | None = None
         try:
             key, raw, body = await self.intake(request)
             call = tr.request(body)
@@ -141,9 +146,10 @@ class Gateway:
             ticket = await self.admission.admit(key, self.accounts.org(key.org_id),
                                                 _demand(call, tr.endpoint, len(raw)), generation_id)
         except GatewayError as err:
+            observe.refused(tr.endpoint, err, started=started, key=key, model=call.model.id if call else None)
             return _reply(tr, err)
         if call.kind == "count":
-            return await self._count(tr, call)
+            return await self._count(tr, call, key, started)
         if ticket.capped:  # the money left covers less output than asked: ask the backend for less
             call.lower_cap(ticket.output_tokens // ticket.outputs)
         run = _Run(key, tr, call, ticket, started, generation_id, started + self.settings.request_timeout_s)
@@ -167,8 +173,10 @@ class Gateway:
         own mistakes (a 4xx from the backend) are not billed and leave no event."""
         if err.status < 500:
             await self._release(run)
+            self._observe(run, err.status, metrics.error_type(err.status, err.backend))
             return _reply(run.tr, err)
         await self._meter(run, status="timeout" if err.status == 504 else "error")
+        self._observe(run, err.status, metrics.error_type(err.status, err.backend))
         return _reply(run.tr, err, {GENERATION_HEADER: run.generation_id})
 
     # -- calling the backend ------------------------------------------------
@@ -180,6 +188,7 @@ class Gateway:
         for backend in self.router.candidates(call.model):
             run.backend = backend
             body = _encode(call, backend)
+            sent = time.monotonic()
             try:
                 return await self.upstream.post(backend, call.path, body, stream=call.stream, deadline=run.deadline)
             except GatewayError as err:
@@ -187,6 +196,8 @@ class Gateway:
                     raise
                 self.router.failed(backend)
                 last = err
+            finally:
+                run.backend_s += time.monotonic() - sent
         assert last is not None
         raise last
 
@@ -205,16 +216,24 @@ class Gateway:
             if not done:
                 raise errors.timeout("The request took longer than the gateway's time limit.")
             await self._meter(run, status="cancelled", cancelled=True)
+            self._observe(run, 499, "cancelled")
             return Response(b"", status_code=499)
         run.usage = run.tr.response(work.result())
         event, usage = await self._meter(run)
         headers = {GENERATION_HEADER: run.generation_id}
         if run.ticket.capped:
             headers[CAPPED_HEADER] = str(run.call.max_output_tokens)
-        return Response(run.tr.render(usage, event.cost_nano), media_type="application/json", headers=headers)
+        body = run.tr.render(usage, event.cost_nano)
+        self._observe(run, 200)
+        return Response(body, media_type="application/json", headers=headers)
 
     async def _fetch(self, run: _Run) -> bytes:
-        return await self.upstream.read(await self._send(run))
+        resp = await self._send(run)
+        started = time.monotonic()
+        try:
+            return await self.upstream.read(resp)
+        finally:
+            run.backend_s += time.monotonic() - started
 
     # -- streaming -------------------------------------------------------------
 
@@ -235,7 +254,11 @@ class Gateway:
         async def produce(write: Write) -> None:
             await self._pump(run, resp or pending, write)
 
-        return StreamResponse(produce, {GENERATION_HEADER: run.generation_id}, run.tr.keepalive,
+        def keepalive() -> bytes:
+            metrics.record_keepalive(run.tr.endpoint)
+            return run.tr.keepalive()
+
+        return StreamResponse(produce, {GENERATION_HEADER: run.generation_id}, keepalive,
                               self.settings.keepalive_s, first)
 
     async def _pump(self, run: _Run, source: aiohttp.ClientResponse | asyncio.Future[aiohttp.ClientResponse],
@@ -250,15 +273,18 @@ class Gateway:
                 raise errors.bad_gateway("The model backend ended the stream early.")
             left = False
             event, usage = await self._meter(run)
+            self._observe(run, 200)
             await write(tr.finish(usage, event.cost_nano))
         except GatewayError as err:
             left = False
             await self._meter(run, status="timeout" if err.status == 504 else "error")
+            self._observe(run, 200, metrics.error_type(err.status, err.backend))
             await write(tr.stream_error(err))
         except Exception:
             left = False
             log.exception("internal error in a %s stream (%s)", tr.endpoint, run.generation_id)
             await self._meter(run, status="error")
+            self._observe(run, 200, "internal")
             await write(tr.stream_error(errors.internal()))
         finally:
             if resp is None and isinstance(source, asyncio.Future):  # left while the backend was silent
@@ -268,7 +294,7 @@ class Gateway:
             if resp is not None:
                 resp.close()  # cancels the generation on the backend if it is still running
             if left:  # bill what was generated, off the response path but tracked
-                self.spawn(self._meter(run, status="cancelled", cancelled=True))
+                self.spawn(self._cut(run))
 
     async def _relay(self, run: _Run, resp: aiohttp.ClientResponse, write: Write) -> bool:
         """Forward the stream; True once the translator needs no more of it."""
@@ -280,7 +306,9 @@ class Gateway:
 
     async def _forward(self, run: _Run, resp: aiohttp.ClientResponse, write: Write) -> bool:
         tr, ticket = run.tr, run.ticket
+        waiting = time.monotonic()
         async for batch in self.upstream.events(resp):
+            run.backend_s += time.monotonic() - waiting
             # One write for all that arrived in one read: far fewer syscalls under load.
             frames: list[bytes] = []
             done = False
@@ -304,6 +332,7 @@ class Gateway:
             await self._write(run, write, frames)
             if done:
                 return True
+            waiting = time.monotonic()
         return False
 
     @staticmethod
@@ -326,7 +355,7 @@ class Gateway:
 
     # -- count_tokens ----------------------------------------------------------------
 
-    async def _count(self, tr: Translator, call: UpstreamCall) -> Response:
+    async def _count(self, tr: Translator, call: UpstreamCall, key: ApiKey, started: float) -> Response:
         """The exact prompt size from a backend's tokenizer; an estimate (logged) if none can count."""
         try:
             backends = self.router.candidates(call.model)
@@ -336,6 +365,8 @@ class Gateway:
         if count is None:
             count = tokenizer.estimate(call.tokenize)
             log.warning("count_tokens for %s is an estimate: no backend tokenizer answered", call.model.id)
+        observe.finished(tr.endpoint, call.model.id, 200, "none", started=started, key=key, event=None,
+                         backend_url=None, backend_s=0.0)
         return Response(tr.render(Usage(count), 0), media_type="application/json")
 
     # -- metering ----------------------------------------------------------------
@@ -357,7 +388,7 @@ class Gateway:
             cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
             reasoning_tokens=usage.reasoning_tokens, cost_nano=self._cost(run, usage), status=status,
             cancelled=cancelled, ttft_ms=run.ttft_ms, duration_ms=(time.monotonic() - run.started) * 1000,
-            streamed=run.call.stream,
+            streamed=run.call.stream, backend=access_log.safe_url(run.backend.url) if run.backend else None,
         )
         if run.metered is not None:  # metered meanwhile, while this one estimated
             return run.metered
@@ -402,6 +433,16 @@ class Gateway:
             self.in_flight -= 1
             key = run.key
             await self.admission.settle(run.ticket, key, self.accounts.org(key.org_id), cost_nano, tokens)
+
+    async def _cut(self, run: _Run) -> None:
+        """A stream whose client left: bill what was generated."""
+        await self._meter(run, status="cancelled", cancelled=True)
+        self._observe(run, 499, "cancelled")
+
+    def _observe(self, run: _Run, status: int, error: str = "none") -> None:
+        observe.finished(run.tr.endpoint, run.call.model.id, status, error, started=run.started, key=run.key,
+                         event=run.metered[0] if run.metered is not None else None,
+                         backend_url=run.backend.url if run.backend else None, backend_s=run.backend_s)
 
     # -- background work -----------------------------------------------------------
 

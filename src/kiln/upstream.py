@@ -212,18 +212,23 @@ def _left(deadline: float) -> float:
 def unreachable(exc: BaseException) -> GatewayError:
     """Nothing reached the model: another backend may be tried."""
     err = errors.bad_gateway(f"The model backend is unreachable ({type(exc).__name__}).")
-    err.failover = True
+    err.failover = err.backend = True
     return err
 
 
 def _mapped(exc: BaseException, when: str) -> GatewayError:
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
-        return errors.timeout(f"The model backend did not answer in time ({when}).")
-    return errors.bad_gateway(f"The model backend closed the connection {when}.")
+        err = errors.timeout(f"The model backend did not answer in time ({when}).")
+    else:
+        err = errors.bad_gateway(f"The model backend closed the connection {when}.")
+    err.backend = True
+    return err
 
 
 def _too_large(limit: int) -> GatewayError:
-    return errors.bad_gateway(f"The model backend's answer is larger than {limit} bytes.")
+    err = errors.bad_gateway(f"The model backend's answer is larger than {limit} bytes.")
+    err.backend = True
+    return err
 
 
 def upstream_error(status: int, body: bytes) -> GatewayError:
@@ -239,10 +244,12 @@ def upstream_error(status: int, body: bytes) -> GatewayError:
         err = errors.invalid(message or "The model server rejected the request.", param=param)
         if _OVERFLOW.search(message or ""):
             err.code = "context_length_exceeded"
-        return err
-    if status in (429, 503):
-        return errors.unavailable("The model backend is overloaded; retry with exponential backoff.")
-    return errors.bad_gateway(f"The model backend returned an error (HTTP {status}).")
+    elif status in (429, 503):
+        err = errors.unavailable("The model backend is overloaded; retry with exponential backoff.")
+    else:
+        err = errors.bad_gateway(f"The model backend returned an error (HTTP {status}).")
+    err.backend = True
+    return err
 
 
 def in_stream_error(payload: dict[str, object]) -> GatewayError:

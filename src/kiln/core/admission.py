@@ -244,7 +244,8 @@ class MemoryAdmission:
         if concurrency is not None and state.in_flight >= concurrency:
             # The contract: the concurrency 429 carries no rate-limit headers.
             raise errors.rate_limited(
-                f"This {who} already has {concurrency} requests in flight. Back off and retry."
+                f"This {who} already has {concurrency} requests in flight. Back off and retry.",
+                reason="concurrency",
             )
         headers: dict[str, str] = {}
         if rpm is not None:
@@ -258,12 +259,14 @@ class MemoryAdmission:
             raise errors.rate_limited(
                 f"This {who} reached its limit of {rpm} requests per minute. Retry in {reset} s.",
                 headers={**headers, "x-ratelimit-reset": str(reset), "retry-after": str(reset)},
+                reason="requests_per_minute",
             )
         if tpm is not None and state.tokens.used(now) >= tpm:
             reset = state.tokens.reset_in(now)
             raise errors.rate_limited(
                 f"This {who} reached its limit of {tpm} tokens per minute. Retry in {reset} s.",
                 headers={**headers, "x-ratelimit-reset": str(reset), "retry-after": str(reset)},
+                reason="tokens_per_minute",
             )
 
 
@@ -302,6 +305,7 @@ def _check_counts(state: _State, limit: int, now: float) -> None:
         raise errors.rate_limited(
             f"This organisation reached its limit of {limit} token counts per minute. Retry in {reset} s.",
             headers={"x-ratelimit-reset": str(reset), "retry-after": str(reset)},
+            reason="token_counts_per_minute",
         )
 
 
@@ -317,4 +321,5 @@ _PAYMENT = {
 
 def _payment_error(scope: str, exhausted: bool) -> errors.GatewayError:
     code, gone, short = _PAYMENT[scope]
-    return errors.payment_required(gone if exhausted else short, code)
+    return errors.payment_required(gone if exhausted else short, code,
+                                   reason={"key": "key_spend_limit"}.get(scope, scope))

@@ -15,7 +15,9 @@ class GatewayError(Exception):
 
     plain=True marks errors the contract sends as a plain-text body (502);
     failover=True marks a backend failure where nothing reached the model, so
-    another backend may take the request.
+    another backend may take the request; backend=True marks the model
+    server's failures (as opposed to the gateway's own refusals); `reason`
+    says why admission refused (metrics: a closed set).
     """
 
     status: int
@@ -26,6 +28,8 @@ class GatewayError(Exception):
     headers: dict[str, str] = field(default_factory=dict)
     plain: bool = False
     failover: bool = False
+    backend: bool = False
+    reason: str | None = None
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -43,8 +47,8 @@ def forbidden(message: str, code: str = "key_inactive") -> GatewayError:
     return GatewayError(403, message, "permission_error", code)
 
 
-def payment_required(message: str, code: str) -> GatewayError:
-    return GatewayError(402, message, "insufficient_quota", code)
+def payment_required(message: str, code: str, reason: str | None = None) -> GatewayError:
+    return GatewayError(402, message, "insufficient_quota", code, reason=reason)
 
 
 def not_found(message: str, *, code: str | None = None, param: str | None = None) -> GatewayError:
@@ -55,8 +59,9 @@ def too_large(message: str) -> GatewayError:
     return GatewayError(413, message, "request_too_large", "request_too_large")
 
 
-def rate_limited(message: str, headers: dict[str, str] | None = None) -> GatewayError:
-    return GatewayError(429, message, "rate_limit_error", "rate_limit_exceeded", headers=headers or {})
+def rate_limited(message: str, headers: dict[str, str] | None = None, reason: str | None = None) -> GatewayError:
+    return GatewayError(429, message, "rate_limit_error", "rate_limit_exceeded", headers=headers or {},
+                        reason=reason)
 
 
 def bad_gateway(message: str) -> GatewayError:

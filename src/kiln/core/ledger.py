@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
+from typing import Callable
 from kiln.core.records import UsageEvent
 from kiln.store.base import Store
 
@@ -26,8 +28,9 @@ def new_generation_id() -> str:
 
 
 class Ledger:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, on_commit: Callable[[float, int], None] | None = None) -> None:
         self.store = store
+        self.on_commit = on_commit  # (seconds the commit took, events in it): for metrics
         self._queue: asyncio.Queue[tuple[UsageEvent, asyncio.Future[None]]] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
 
@@ -73,7 +76,10 @@ class Ledger:
             delay = 0.05
             while True:
                 try:
+                    began = time.monotonic()
                     await self.store.record_usage(events)
+                    if self.on_commit is not None:
+                        self.on_commit(time.monotonic() - began, len(events))
                     break
                 except asyncio.CancelledError:
                     raise
