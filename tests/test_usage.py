@@ -65,7 +65,7 @@ def test_generation_of_a_completion(tenant: Tenant) -> None:
         "reasoning_tokens", 0)
     assert isinstance(data["total_cost"], Decimal) and data["total_cost"] == usage["cost"] > 0  # exact
     assert (data["streamed"], data["cancelled"], data["status"]) == (False, False, "ok")
-    assert data["finish_reason"] is None  # the pipeline does not record it yet
+    assert data["finish_reason"] == reply["choices"][0]["finish_reason"]
     assert isinstance(data["latency"], int) and data["latency"] >= 0
     assert data["time_to_first_token"] is None  # measured on streams only
     created = datetime.fromisoformat(data["created_at"])
@@ -118,7 +118,8 @@ def test_admin_usage_events_carry_the_new_fields(tenant: Tenant) -> None:
         r.read()
     events = tenant.usage()
     assert sorted(e["streamed"] for e in events) == [False, True]
-    assert all(e["finish_reason"] is None and e["backend"] is None for e in events)  # not recorded yet
+    assert {e["finish_reason"] for e in events} <= {"stop", "length"} and all(e["finish_reason"] for e in events)
+    assert all(e["backend"].startswith("http://127.0.0.1:") for e in events)
 
 
 def test_old_usage_events_get_the_defaults(tmp_path: Path) -> None:

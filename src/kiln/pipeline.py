@@ -388,7 +388,8 @@ class Gateway:
             cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
             reasoning_tokens=usage.reasoning_tokens, cost_nano=self._cost(run, usage), status=status,
             cancelled=cancelled, ttft_ms=run.ttft_ms, duration_ms=(time.monotonic() - run.started) * 1000,
-            streamed=run.call.stream, backend=access_log.safe_url(run.backend.url) if run.backend else None,
+            streamed=run.call.stream, finish_reason=tr.finish_reason(),
+            backend=access_log.safe_url(run.backend.url) if run.backend else None,
         )
         if run.metered is not None:  # metered meanwhile, while this one estimated
             return run.metered

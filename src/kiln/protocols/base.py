@@ -9,6 +9,7 @@ syscall. The pipeline calls, in order:
     stream:  out, usage, tokens, done = tr.chunk(payload)   per upstream SSE payload
              tr.truncate(note) -> bytes  (the money ran out)   then   tr.finish(cost_nano) -> bytes
     always:  tr.keepalive() -> bytes, tr.error(err) -> Reply, tr.stream_error(err) -> bytes
+    at the end: tr.finish_reason() -> str | None   (the ledger's: stop, length, tool_calls, ...)
 
 Methods return values; the pipeline never reads or writes a translator's
 attributes. It changes the upstream call only through `UpstreamCall`
@@ -94,6 +95,7 @@ class Translator(Protocol):
     def keepalive(self) -> bytes: ...
     def error(self, err: GatewayError) -> Reply: ...
     def stream_error(self, err: GatewayError) -> bytes: ...
+    def finish_reason(self) -> str | None: ...
 
 
 def new_id(prefix: str) -> str:

@@ -126,6 +126,7 @@ class ChatBacked(ABC):
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
         self.name = ""  # the model name the client sent, echoed in every answer
+        self._finish_reason: str | None = None  # the first output's, in chat terms
 
     def chunk(self, payload: bytes) -> Step:
         if payload == b"[DONE]":
@@ -144,6 +145,10 @@ class ChatBacked(ABC):
     @abstractmethod
     def _response(self, data: dict[str, Any]) -> Usage | None:
         """The backend's JSON answer (an object); the usage it reported, if any."""
+
+    def finish_reason(self) -> str | None:
+        """How the first output ended, in chat-completions terms (stop, length, tool_calls, ...)."""
+        return self._finish_reason
 
     def keepalive(self) -> bytes:
         return b": keepalive\n\n"

@@ -74,7 +74,6 @@ class MessagesTranslator(ChatBacked):
         self._id = ""
         self._blocks: Blocks | None = None
         self._matcher: StopMatcher | None = None
-        self._finish_reason: str | None = None
         self._stop_sequence: str | None = None
         self._usage = Usage()  # the latest the backend reported (for message_start)
         self._started = False
@@ -230,6 +229,13 @@ class MessagesTranslator(ChatBacked):
             if isinstance(stopped, str) and stopped in self.stops:
                 self._stop_sequence = stopped
         return bool(thought or said or calls)
+
+    def finish_reason(self) -> str | None:
+        if self._note is not None:
+            return "length"
+        if self._blocks is not None and self._blocks.has_tool_use:
+            return "tool_calls"
+        return self._finish_reason
 
     def _stop_reason(self) -> str:
         assert self._blocks is not None

@@ -29,6 +29,13 @@ def cost_fragment(cost_nano: int) -> orjson.Fragment:
     return orjson.Fragment(nano_to_usd_str(cost_nano).encode())
 
 
+def _finish_in(payload: bytes) -> str | None:
+    """The finish reason of a chunk seen as bytes (no parse: pass-through streams)."""
+    start = payload.find(b'"finish_reason":"') + len(b'"finish_reason":"')
+    end = payload.find(b'"', start)
+    return payload[start:end].decode() if end > start else None
+
+
 def usage_counts(u: Usage) -> dict[str, Any]:
     counts: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                               "total_tokens": u.prompt_tokens + u.completion_tokens}
@@ -92,6 +99,9 @@ class Passthrough(ChatBacked):
         self._reported = Usage.from_openai(data.get("usage"))
         self._data = data
         self._enforce_json(data)
+        choices = data.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            self._note_finish(choices[0].get("finish_reason"))
         return self._reported
 
     def render(self, usage: Usage, cost_nano: int) -> bytes:
@@ -117,6 +127,8 @@ class Passthrough(ChatBacked):
             self._name_stream(backend_json(payload))
         if self._model_from:
             payload = payload.replace(self._model_from, self._model_to, 1)
+        if self._finish_reason is None and b'"finish_reason":"' in payload:
+            self._note_finish(_finish_in(payload))
         pieces = 0 if any(p in payload for p in self.empty_piece) else 1
         return b"data: " + payload + b"\n\n", usage, pieces, False
 
@@ -131,10 +143,16 @@ class Passthrough(ChatBacked):
             self._name_stream(data)
         data["model"] = self.name
         keep, ended = self._enforce(data)
+        for choice in keep:
+            self._note_finish(choice.get("finish_reason"))
         if not keep and choices:
             return b"", usage, 0, ended
         data["choices"] = keep
         return b"data: " + orjson.dumps(data) + b"\n\n", usage, 1, ended
+
+    def _note_finish(self, reason: Any) -> None:
+        if self._finish_reason is None and isinstance(reason, str):
+            self._finish_reason = reason
 
     def _name_stream(self, head: dict[str, Any]) -> None:
         """The first chunk names the stream (for chunks Kiln builds) and the backend's model name."""
@@ -159,6 +177,7 @@ class Passthrough(ChatBacked):
         return b"data: " + orjson.dumps(chunk) + b"\n\n" + DONE
 
     def _truncated(self, choices: list[dict[str, Any]], note: str) -> bytes:
+        self._finish_reason = "length"
         chunk = {"id": self._stream_id, "object": self.chunk_object, "created": self._created,
                  "model": self.name, "choices": choices, "kiln_note": note}
         return b"data: " + orjson.dumps(chunk) + b"\n\n"

@@ -49,7 +49,6 @@ class ResponsesTranslator(ChatBacked):
         self._items: Items | None = None
         self._events: EventStream | None = None
         self._output: list[dict[str, Any]] = []
-        self._finish_reason: str | None = None
         self._note = ""
 
     # -- request ----------------------------------------------------------
