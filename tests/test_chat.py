@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import uuid
 from decimal import Decimal
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -106,23 +106,6 @@ def assert_metered(tenant: Tenant, resp: httpx.Response, model: str) -> dict[str
     assert Decimal(event["cost"]) == usage["cost"]
     assert event["cancelled"] is False
     return data
-
-
-@pytest.fixture
-def sim_setting(sim: Sim) -> Iterator[Any]:
-    """Flip simulator settings for one test; the previous values come back afterwards."""
-    saved: dict[str, Any] = {}
-
-    def change(**settings: Any) -> None:
-        current = sim.http.get("/sim/config").json()
-        for name in settings:
-            saved.setdefault(name, current[name])
-        r = sim.http.post("/sim/config", json=settings)
-        assert r.status_code == 200, r.text
-
-    yield change
-    if saved:
-        sim.http.post("/sim/config", json=saved).raise_for_status()
 
 
 # -- the basic request -----------------------------------------------------------------------
@@ -404,12 +387,11 @@ def test_tool_choice_none_is_forwarded(tenant: Tenant, sim: Sim) -> None:
 @pytest.mark.parametrize(
     "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}], ids=["required", "named"]
 )
-def test_forced_tool_choice_on_qwen_is_a_400_naming_the_model(
-    tenant: Tenant, sim: Sim, sim_setting: Any, choice: Any
-) -> None:
-    sim_setting(forced_tool_choice_fails=True)  # what qwen3-32b on vLLM does: a plain 500 / empty arguments
+def test_forced_tool_choice_on_qwen_is_a_400_naming_the_model(tenant: Tenant, sim: Sim, choice: Any) -> None:
     tag = new_tag()
-    resp = chat(tenant, {"model": QWEN, "messages": HELLO, "tools": [WEATHER], "tool_choice": choice}, tag)
+    # forced_tool_choice_fails: what qwen3-32b on vLLM does (a plain 500 / empty arguments), were it to get there
+    resp = chat(tenant, {"model": QWEN, "messages": HELLO, "tools": [WEATHER], "tool_choice": choice,
+                         "sim": {"forced_tool_choice_fails": True}}, tag)
     err = assert_error(resp, 400, param="tool_choice")
     assert QWEN in err["message"]
     assert "auto" in err["message"]
@@ -648,9 +630,9 @@ def test_reasoning_text_is_passed_through_verbatim(tenant: Tenant) -> None:
     assert message["content"] == "Hi."
 
 
-def test_reasoning_content_field_of_older_backends_reaches_the_client(tenant: Tenant, sim_setting: Any) -> None:
-    sim_setting(reasoning_field="reasoning_content")
-    resp = chat(tenant, {"model": QWEN, "messages": HELLO, "sim": {"reasoning": "Thinking hard.", "reply": "Done."}})
+def test_reasoning_content_field_of_older_backends_reaches_the_client(tenant: Tenant) -> None:
+    resp = chat(tenant, {"model": QWEN, "messages": HELLO, "sim": {"reasoning": "Thinking hard.", "reply": "Done.",
+                                                                  "reasoning_field": "reasoning_content"}})
     message = assert_metered(tenant, resp, QWEN)["choices"][0]["message"]
     assert message.get("reasoning_content") == "Thinking hard." or message.get("reasoning") == "Thinking hard."
     assert message["content"] == "Done."

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import uuid
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai
@@ -23,14 +23,7 @@ QWEN = "qwen3-32b"
 PRICES = (Decimal("0.10"), Decimal("0.05"), Decimal("0.30"))  # conftest's qwen3-32b, USD per 1M tokens
 
 
-@pytest.fixture
-def ignore_stop(sim: Sim) -> Iterator[None]:
-    saved = sim.http.get("/sim/config").json()["ignore_stop"]
-    sim.configure(ignore_stop=True)
-    try:
-        yield
-    finally:
-        sim.configure(ignore_stop=saved)
+IGNORE_STOP = {"ignore_stop": True}  # per request: the simulator then ignores `stop` like some stacks do
 
 
 def tagged(body: dict[str, Any], **sim: Any) -> tuple[dict[str, Any], str]:
@@ -155,16 +148,16 @@ def test_echo_and_logprobs(tenant: Tenant) -> None:
     assert all(len(top) == 2 for top in choice["logprobs"]["top_logprobs"])
 
 
-def test_stop_is_enforced_by_the_gateway(tenant: Tenant, ignore_stop: None) -> None:
+def test_stop_is_enforced_by_the_gateway(tenant: Tenant) -> None:
     body, _ = tagged({"model": QWEN, "prompt": "Count", "stop": ["four"], "max_tokens": 50},
-                     reply="one two three four five")
+                     reply="one two three four five", **IGNORE_STOP)
     choice = post(tenant, body).json()["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("one two three ", "stop", "four")
 
 
-def test_stop_never_cuts_the_echoed_prompt(tenant: Tenant, ignore_stop: None) -> None:
+def test_stop_never_cuts_the_echoed_prompt(tenant: Tenant) -> None:
     body, _ = tagged({"model": QWEN, "prompt": "four score", "stop": ["four"], "echo": True, "max_tokens": 50},
-                     reply=" and seven four years")
+                     reply=" and seven four years", **IGNORE_STOP)
     choice = post(tenant, body).json()["choices"][0]
     assert choice["text"] == "four score and seven "
 
@@ -203,9 +196,9 @@ def test_stream_usage_chunk_carries_the_ledger_cost(tenant: Tenant) -> None:
     assert (ev["prompt_tokens"], ev["completion_tokens"]) == (usage["prompt_tokens"], usage["completion_tokens"])
 
 
-def test_streamed_stop_is_cut_by_the_gateway_and_billed_exactly(tenant: Tenant, ignore_stop: None) -> None:
+def test_streamed_stop_is_cut_by_the_gateway_and_billed_exactly(tenant: Tenant) -> None:
     body, _ = tagged({"model": QWEN, "prompt": "Count", "stop": ["four"], "max_tokens": 50,
-                      "stream_options": {"include_usage": True}}, reply="one two three four five six")
+                      "stream_options": {"include_usage": True}}, reply="one two three four five six", **IGNORE_STOP)
     r, data = stream_chunks(tenant, body)
     texts = [c["choices"][0] for c in data[:-1] if isinstance(c, dict) and c["choices"]]
     assert "".join(c["text"] for c in texts) == "one two three "
@@ -215,9 +208,9 @@ def test_streamed_stop_is_cut_by_the_gateway_and_billed_exactly(tenant: Tenant, 
     assert data[-2]["usage"]["cost"] == Decimal(ev["cost"])
 
 
-def test_streamed_stop_never_cuts_the_echoed_prompt(tenant: Tenant, ignore_stop: None) -> None:
+def test_streamed_stop_never_cuts_the_echoed_prompt(tenant: Tenant) -> None:
     body, _ = tagged({"model": QWEN, "prompt": "four score", "stop": ["four"], "echo": True, "max_tokens": 50},
-                     reply=" and seven four years")
+                     reply=" and seven four years", **IGNORE_STOP)
     _, data = stream_chunks(tenant, body)
     assert "".join(c["choices"][0]["text"] for c in data if isinstance(c, dict) and c["choices"]) == \
         "four score and seven "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import uuid
 from decimal import Decimal
-from typing import Any, Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -43,8 +43,7 @@ WEATHER = {
 def script(sim: Sim, control: dict[str, Any] | None = None) -> str:
     """A fresh tag; requests whose last turn contains it behave as if they carried `control` as `sim`."""
     tag = "tag" + uuid.uuid4().hex[:16]
-    rules = sim.http.get("/sim/config").json()["rules"]
-    sim.configure(rules=[{"when": tag, "sim": control or {}}, *rules[:40]])
+    sim.http.post("/sim/rules", json={"when": tag, "sim": control or {}}).raise_for_status()
     return tag
 
 
@@ -130,13 +129,8 @@ def test_length_stop_is_max_tokens(tenant: Tenant, sim: Sim) -> None:
 
 @pytest.mark.parametrize("ignore", [False, True])
 def test_stop_sequences_are_enforced(tenant: Tenant, sim: Sim, ignore: bool) -> None:
-    saved = sim.configure()["ignore_stop"]
-    sim.configure(ignore_stop=ignore)
-    try:
-        tag = script(sim, {"reply": "One two STOP three four."})
-        msg = post(tenant, {**ask(tag), "stop_sequences": ["STOP", "never"]}).json()
-    finally:
-        sim.configure(ignore_stop=saved)
+    tag = script(sim, {"reply": "One two STOP three four.", "ignore_stop": ignore})
+    msg = post(tenant, {**ask(tag), "stop_sequences": ["STOP", "never"]}).json()
     assert msg["content"] == [{"type": "text", "text": "One two "}]
     assert (msg["stop_reason"], msg["stop_sequence"]) == ("stop_sequence", "STOP")
     assert upstream(sim, tag)["stop"] == ["STOP", "never"]
@@ -459,20 +453,11 @@ def test_context_overflow_is_prompt_is_too_long(tenant: Tenant) -> None:
     assert tenant.usage() == []
 
 
-@pytest.fixture
-def legacy_length_check(sim: Sim) -> Iterator[None]:
-    """The simulator as vLLM <= 0.16: prompt + max_tokens over the context is a 400."""
-    sim.configure(legacy_length_check=True)
-    try:
-        yield
-    finally:
-        sim.configure(legacy_length_check=False)
-
-
-def test_estimate_miss_on_an_older_backend_asks_for_a_smaller_max_tokens(tenant: Tenant,
-                                                                        legacy_length_check: None) -> None:
+def test_estimate_miss_on_an_older_backend_asks_for_a_smaller_max_tokens(tenant: Tenant, sim: Sim) -> None:
+    # The simulator as vLLM <= 0.16: prompt + max_tokens over the context is a 400.
+    tag = script(sim, {"legacy_length_check": True})
     # One simulator token per character here, so the byte estimate leaves too much room.
-    message = assert_anthropic_error(post(tenant, {**ask("." * 30_000), "max_tokens": 8192}), 400,
+    message = assert_anthropic_error(post(tenant, {**ask("." * 30_000 + " " + tag), "max_tokens": 8192}), 400,
                                      "invalid_request_error")
     assert message.startswith("input length and `max_tokens` exceed context limit: 300")
     assert " + 8192 > 32768, decrease input length or `max_tokens` and try again" in message

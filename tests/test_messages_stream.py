@@ -12,7 +12,7 @@ import json
 import time
 from dataclasses import dataclass
 from decimal import Decimal
-from typing import Any, Iterator
+from typing import Any
 
 import anthropic
 import httpx
@@ -211,18 +211,8 @@ def test_upstream_rejection_after_the_commit_is_an_error_event(tenant: Tenant, s
                                                                  "message": "Late rejection."}})
 
 
-@pytest.fixture
-def ignore_stop(sim: Sim) -> Iterator[None]:
-    saved = sim.configure()["ignore_stop"]
-    sim.configure(ignore_stop=True)
-    try:
-        yield
-    finally:
-        sim.configure(ignore_stop=saved)
-
-
-def test_stop_sequence_cut_by_the_gateway_in_a_stream(tenant: Tenant, sim: Sim, ignore_stop: None) -> None:
-    tag = script(sim, {"reply": "Alpha beta END gamma delta epsilon.", "token_delay_ms": 2})
+def test_stop_sequence_cut_by_the_gateway_in_a_stream(tenant: Tenant, sim: Sim) -> None:
+    tag = script(sim, {"reply": "Alpha beta END gamma delta epsilon.", "token_delay_ms": 2, "ignore_stop": True})
     s = events(tenant, {**ask(tag), "stop_sequences": ["END"]})
     assert check_grammar(s) == [{"type": "text", "text": "Alpha beta "}]
     assert s.of("message_delta")[0]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "END"}

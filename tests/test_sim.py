@@ -542,6 +542,30 @@ def test_sim_config_endpoint(sim: Sim) -> None:
     assert sim.http.get("/sim/config").json()["ignore_stop"] is False
 
 
+def test_per_request_settings_leave_the_global_ones_alone(sim: Sim) -> None:
+    """A request's `sim` may set the quirks for itself (ignore_stop, legacy_length_check, ...)."""
+    body = {"model": MODEL, "messages": USER, "stop": ["b"], "sim": {"reply": "a b c"}}
+    honoured = sim.http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    ignored = sim.http.post("/v1/chat/completions",
+                            json={**body, "sim": {"reply": "a b c", "ignore_stop": True}}).json()
+    assert honoured == "a " and ignored["choices"][0]["message"]["content"] == "a b c"
+    assert sim.http.get("/sim/config").json()["ignore_stop"] is False
+    legacy = sim.http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER, "max_tokens": 10**6,
+                                                         "sim": {"legacy_length_check": True}})
+    assert legacy.status_code == 400
+    assert sim.http.post("/v1/chat/completions", json={"model": MODEL, "messages": USER,
+                                                       "max_tokens": 10**6}).status_code == 200
+
+
+def test_rules_are_added_one_at_a_time(sim: Sim) -> None:
+    for word in ("alpha", "beta"):
+        assert sim.http.post("/sim/rules", json={"when": word, "sim": {"reply": word.upper()}}).status_code == 200
+    said = [sim.http.post("/v1/chat/completions", json={"model": MODEL, "messages": [
+        {"role": "user", "content": f"say {w}"}]}).json()["choices"][0]["message"]["content"] for w in ("alpha", "beta")]
+    assert said == ["ALPHA", "BETA"]
+    assert sim.http.post("/sim/rules", json={"when": "", "sim": {}}).status_code == 400
+
+
 def test_sim_requests_log(sim: Sim) -> None:
     sim.http.delete("/sim/requests")
     for i in range(105):

@@ -1,8 +1,8 @@
 """Stop strings enforced by the gateway (README: "`stop` is enforced by the gateway (streaming included)").
 
 The simulator runs in both modes: honouring `stop` like vLLM, and ignoring it
-like the serving stacks the seed page warns about (`/sim/config
-{"ignore_stop": true}`, restored after each test). Either way the client must
+like the serving stacks the seed page warns about (`"ignore_stop": true` in the
+request's own simulator controls). Either way the client must
 see the text cut before the first stop string, finish_reason "stop", and a
 billed request.
 """
@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from decimal import Decimal
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -26,25 +26,13 @@ OSS = "gpt-oss-120b"
 HELLO = [{"role": "user", "content": "Hello!"}]
 
 
+IGNORE_STOP = {"ignore_stop": True}  # per request: the simulator then ignores `stop` like some stacks do
+
+
 @pytest.fixture(params=["ignore_stop", "honour_stop"])
-def mode(request: pytest.FixtureRequest, sim: Sim) -> Iterator[str]:
+def mode(request: pytest.FixtureRequest) -> dict[str, Any]:
     """The simulator ignoring `stop` (the gateway must cut) or honouring it (nothing may break)."""
-    saved = sim.http.get("/sim/config").json()["ignore_stop"]
-    sim.http.post("/sim/config", json={"ignore_stop": request.param == "ignore_stop"}).raise_for_status()
-    try:
-        yield request.param
-    finally:
-        sim.http.post("/sim/config", json={"ignore_stop": saved}).raise_for_status()
-
-
-@pytest.fixture
-def ignore_stop(sim: Sim) -> Iterator[None]:
-    saved = sim.http.get("/sim/config").json()["ignore_stop"]
-    sim.http.post("/sim/config", json={"ignore_stop": True}).raise_for_status()
-    try:
-        yield
-    finally:
-        sim.http.post("/sim/config", json={"ignore_stop": saved}).raise_for_status()
+    return IGNORE_STOP if request.param == "ignore_stop" else {}
 
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -54,8 +42,9 @@ def new_tag() -> str:
     return uuid.uuid4().hex
 
 
-def body_for(reply: str, stop: Any, tag: str | None = None, **extra: Any) -> dict[str, Any]:
-    sim = {"reply": reply, "reasoning": "Plan the answer."}
+def body_for(reply: str, stop: Any, tag: str | None = None, quirks: dict[str, Any] = IGNORE_STOP,
+             **extra: Any) -> dict[str, Any]:
+    sim = {"reply": reply, "reasoning": "Plan the answer.", **quirks}
     if tag:
         sim["tag"] = tag
     return {"model": QWEN, "messages": HELLO, "stop": stop, "sim": sim, **extra}
@@ -123,9 +112,9 @@ NO_HIT = {
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_json_response_is_cut_before_the_stop_string(tenant: Tenant, mode: str, case: str) -> None:
+def test_json_response_is_cut_before_the_stop_string(tenant: Tenant, mode: dict[str, Any], case: str) -> None:
     reply, stop, expected = CASES[case]
-    resp = post(tenant, body_for(reply, stop))
+    resp = post(tenant, body_for(reply, stop, quirks=mode))
     assert resp.status_code == 200, resp.text
     data = json.loads(resp.text, parse_float=Decimal)
     choice = data["choices"][0]
@@ -138,9 +127,9 @@ def test_json_response_is_cut_before_the_stop_string(tenant: Tenant, mode: str, 
 
 
 @pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
-def test_stream_is_cut_before_the_stop_string(tenant: Tenant, mode: str, case: str) -> None:
+def test_stream_is_cut_before_the_stop_string(tenant: Tenant, mode: dict[str, Any], case: str) -> None:
     reply, stop, expected = CASES[case]
-    s = stream(tenant, body_for(reply, stop))
+    s = stream(tenant, body_for(reply, stop, quirks=mode))
     assert_clean_stream(s)
     assert s.content() == expected
     assert s.finish_reasons() == ["stop"]
@@ -149,20 +138,20 @@ def test_stream_is_cut_before_the_stop_string(tenant: Tenant, mode: str, case: s
 
 
 @pytest.mark.parametrize("case", list(NO_HIT), ids=list(NO_HIT))
-def test_text_without_the_stop_string_is_delivered_whole(tenant: Tenant, mode: str, case: str) -> None:
+def test_text_without_the_stop_string_is_delivered_whole(tenant: Tenant, mode: dict[str, Any], case: str) -> None:
     reply, stop, expected = NO_HIT[case]
-    resp = post(tenant, body_for(reply, stop))
+    resp = post(tenant, body_for(reply, stop, quirks=mode))
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"]["content"] == expected
     assert resp.json()["choices"][0]["finish_reason"] == "stop"
 
-    s = stream(tenant, body_for(reply, stop))
+    s = stream(tenant, body_for(reply, stop, quirks=mode))
     assert_clean_stream(s)
     assert s.content() == expected, "a held-back prefix must be flushed at the end of the output"
     assert s.finish_reasons() == ["stop"]
 
 
-def test_stop_string_spanning_every_chunk_boundary(tenant: Tenant, ignore_stop: None) -> None:
+def test_stop_string_spanning_every_chunk_boundary(tenant: Tenant) -> None:
     """Text is emitted as early as possible: everything before a possible stop prefix arrives before the cut."""
     reply = "a <| b <|e c <|en d <|end e <|end| f <|end|> g"
     s = stream(tenant, body_for(reply, "<|end|>"))
@@ -171,7 +160,7 @@ def test_stop_string_spanning_every_chunk_boundary(tenant: Tenant, ignore_stop: 
     assert s.finish_reasons() == ["stop"]
 
 
-def test_stream_with_usage_after_a_stop_string(tenant: Tenant, ignore_stop: None) -> None:
+def test_stream_with_usage_after_a_stop_string(tenant: Tenant) -> None:
     s = stream(tenant, body_for("Alpha beta STOP gamma delta", "STOP", stream_options={"include_usage": True}))
     assert_clean_stream(s)
     assert s.content() == "Alpha beta "
@@ -186,7 +175,7 @@ def test_stream_with_usage_after_a_stop_string(tenant: Tenant, ignore_stop: None
     assert event["prompt_tokens"] == usage["prompt_tokens"]
 
 
-def test_nothing_after_the_stop_string_leaks_in_a_long_stream(tenant: Tenant, ignore_stop: None) -> None:
+def test_nothing_after_the_stop_string_leaks_in_a_long_stream(tenant: Tenant) -> None:
     tail = " ".join(f"word{i}" for i in range(200))
     s = stream(tenant, body_for(f"Short answer. STOP {tail}", "STOP"))
     assert_clean_stream(s)
@@ -195,7 +184,7 @@ def test_nothing_after_the_stop_string_leaks_in_a_long_stream(tenant: Tenant, ig
     billed(tenant, s.headers["x-neocloud-generation-id"])
 
 
-def test_stop_cut_cancels_the_rest_of_the_generation(tenant: Tenant, sim: Sim, ignore_stop: None) -> None:
+def test_stop_cut_cancels_the_rest_of_the_generation(tenant: Tenant, sim: Sim) -> None:
     """Once the gateway has cut at a stop string it stops the backend instead of reading the tail."""
     before = sim.stats()
     tail = " ".join(["filler"] * 100)
@@ -217,14 +206,14 @@ def test_stop_cut_cancels_the_rest_of_the_generation(tenant: Tenant, sim: Sim, i
 def test_stop_is_forwarded_upstream(tenant: Tenant, sim: Sim) -> None:
     tag = new_tag()
     stops = ["STOP", "<|end|>"]
-    resp = post(tenant, body_for("Alpha STOP beta", stops, tag))
+    resp = post(tenant, body_for("Alpha STOP beta", stops, tag, quirks={}))
     assert resp.status_code == 200, resp.text
     assert upstream(sim, tag)["stop"] == stops
 
 
-def test_stop_through_the_sdk(tenant: Tenant, ignore_stop: None) -> None:
+def test_stop_through_the_sdk(tenant: Tenant) -> None:
     client = tenant.openai()
-    extra = {"sim": {"reply": "Count: one, two, three, four."}}
+    extra = {"sim": {"reply": "Count: one, two, three, four.", **IGNORE_STOP}}
     resp = client.chat.completions.create(model=QWEN, messages=HELLO, stop=[" three", "four"], extra_body=extra)
     assert resp.choices[0].message.content == "Count: one, two,"
     assert resp.choices[0].finish_reason == "stop"
@@ -236,20 +225,20 @@ def test_stop_through_the_sdk(tenant: Tenant, ignore_stop: None) -> None:
     assert len(tenant.usage()) == 2
 
 
-def test_stop_does_not_cut_reasoning(tenant: Tenant, ignore_stop: None) -> None:
+def test_stop_does_not_cut_reasoning(tenant: Tenant) -> None:
     body = {"model": QWEN, "messages": HELLO, "stop": "STOP",
-            "sim": {"reasoning": "I should not STOP thinking.", "reply": "Answer STOP tail"}}
+            "sim": {"reasoning": "I should not STOP thinking.", "reply": "Answer STOP tail", **IGNORE_STOP}}
     resp = post(tenant, body)
     message = resp.json()["choices"][0]["message"]
     assert message["content"] == "Answer "
     assert message["reasoning"] == "I should not STOP thinking."
 
 
-def test_stop_with_tool_calls_leaves_the_calls_intact(tenant: Tenant, ignore_stop: None) -> None:
+def test_stop_with_tool_calls_leaves_the_calls_intact(tenant: Tenant) -> None:
     tool = {"type": "function", "function": {"name": "lookup", "description": "Look something up.",
                                               "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
     body = {"model": QWEN, "messages": HELLO, "stop": "}", "tools": [tool],
-            "sim": {"tool_calls": [{"name": "lookup", "arguments": {"q": "STOP"}}]}}
+            "sim": {"tool_calls": [{"name": "lookup", "arguments": {"q": "STOP"}}], **IGNORE_STOP}}
     resp = post(tenant, body)
     [call] = resp.json()["choices"][0]["message"]["tool_calls"]
     assert json.loads(call["function"]["arguments"]) == {"q": "STOP"}
@@ -274,7 +263,7 @@ def test_invalid_stop_is_400(tenant: Tenant, stop: Any) -> None:
 
 
 @pytest.mark.parametrize("stop", [None, [], "", [""]], ids=["null", "empty-list", "empty-string", "list-of-empty"])
-def test_empty_stop_changes_nothing(tenant: Tenant, ignore_stop: None, stop: Any) -> None:
+def test_empty_stop_changes_nothing(tenant: Tenant, stop: Any) -> None:
     resp = post(tenant, body_for("Alpha beta.", stop))
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"]["content"] == "Alpha beta."

@@ -31,7 +31,9 @@ _DONE: Step = (b"", None, 0, True)
 
 
 def malformed() -> GatewayError:
-    return errors.bad_gateway(MALFORMED)
+    err = errors.bad_gateway(MALFORMED)
+    err.backend = True
+    return err
 
 
 def backend_json(raw: bytes) -> dict[str, Any]:

@@ -23,9 +23,12 @@ Per-request control object, body key ``"sim"`` (all keys optional; never part of
                             an SSE stream whose data is not JSON)
     error_after: int        stream: N events, then an in-band {"error":{...,"code":500}} and
                             [DONE]; non-stream: HTTP 500 with a vLLM JSON error body
+    ignore_stop, legacy_length_check, no_prompt_tokens_details, forced_tool_choice_fails,
+    reasoning_field         the global settings of the same names, for this request only
 
 A request without a `sim` object gets one from the `rules` setting (/sim/config) when its
 latest turn contains a rule's `when` text: that is how tests drive clients that cannot send one.
+`POST /sim/rules` adds one rule ({"when", "sim"}) without touching the others.
 """
 
 from __future__ import annotations
@@ -108,7 +111,7 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> we
     model = srv.check_model(body)
     if isinstance(model, web.Response):
         return model
-    s = srv.settings
+    s = srv.settings.for_request(sim)
     messages = body["messages"]
     try:
         prompt = tokenizer.render_chat(messages, body.get("tools"), body.get("add_generation_prompt", True) is not False)
@@ -180,7 +183,7 @@ async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.Str
     model = srv.check_model(body)
     if isinstance(model, web.Response):
         return model
-    s = srv.settings
+    s = srv.settings.for_request(sim)
     echo = body.get("echo") is True
     top = body.get("logprobs")
     stops = [] if s.ignore_stop else generate.normalize_stop(body.get("stop"))
@@ -274,4 +277,5 @@ def create_app(settings: SimSettings) -> web.Application:
     r.add_delete("/sim/requests", srv.clear_requests)
     r.add_get("/sim/config", srv.get_config)
     r.add_post("/sim/config", srv.set_config)
+    r.add_post("/sim/rules", srv.add_rule)
     return app

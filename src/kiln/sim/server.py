@@ -385,6 +385,13 @@ class SimServer:
             return wire.error_response(400, str(exc))
         return wire.json_response(self.settings.to_dict())
 
+    async def add_rule(self, request: web.Request) -> web.Response:
+        try:
+            self.settings.add_rule(orjson.loads(await request.read() or b"{}"))
+        except (orjson.JSONDecodeError, ValueError) as exc:
+            return wire.error_response(400, str(exc))
+        return wire.json_response({"rules": len(self.settings.rules)})
+
 
 def new_id(prefix: str) -> str:
     """vLLM-style random request id."""

@@ -34,6 +34,21 @@ class SimSettings:
     # contains `when` behaves as if it carried that `sim` (drives clients that cannot send one)
     rules: list[dict[str, Any]] = field(default_factory=list)
 
+    def for_request(self, sim: dict[str, Any]) -> "SimSettings":
+        """These settings with the per-request overrides a request's `sim` object names
+        (REQUEST_SETTINGS), so tests can set a quirk for one request instead of for everyone."""
+        overrides = {k: sim[k] for k in REQUEST_SETTINGS if k in sim}
+        if not overrides:
+            return self
+        try:
+            return dataclasses.replace(self, **{k: _coerce(k, v) for k, v in overrides.items()})
+        except ValueError:
+            return self  # a bad override is ignored: the request is still served
+
+    def add_rule(self, rule: Any) -> None:
+        """Append one rule (newest first wins), keeping the last MAX_RULES: safe for concurrent tests."""
+        self.rules = [*_rules([rule]), *self.rules][:MAX_RULES]
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able view, returned by /sim/config."""
         return dataclasses.asdict(self)
@@ -56,6 +71,10 @@ class SimSettings:
 
 
 _READ_ONLY = {"host", "port"}
+# Settings a request's `sim` object may override for itself.
+REQUEST_SETTINGS = ("ignore_stop", "legacy_length_check", "no_prompt_tokens_details", "forced_tool_choice_fails",
+                    "reasoning_field")
+MAX_RULES = 200
 _FIELDS = {f.name for f in dataclasses.fields(SimSettings)}
 _BOOLS = {"ignore_stop", "forced_tool_choice_fails", "legacy_length_check", "no_prompt_tokens_details"}
 _INTS = {"max_model_len", "seed", "reply_tokens"}

@@ -25,7 +25,7 @@ from kiln.protocols.anthropic.blocks import Blocks
 from kiln.protocols.anthropic.request import Prompt, build_chat, estimate_tokens
 from kiln.protocols.base import JSON, Context, Reply, Step, UpstreamCall, new_id, positive_int, sse_event
 from kiln.protocols.chat_backed import (
-    ChatBacked, backend_json, choices_of, lookup_model, part_of, stream_flag, text_of, tool_calls_of,
+    ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag, text_of, tool_calls_of,
 )
 from kiln.protocols.stop import StopMatcher, cut_at_stop
 from kiln.upstream import overflow_tokens
@@ -133,7 +133,7 @@ class MessagesTranslator(ChatBacked):
     def _response(self, data: dict[str, Any]) -> Usage | None:
         choices = choices_of(data)
         if not choices:
-            raise errors.bad_gateway("The model backend returned a malformed response.")
+            raise malformed()
         self._choice(choices[0], part_of(choices[0], "message"))
         return Usage.from_openai(data.get("usage"))
 

@@ -19,7 +19,7 @@ from kiln.core import errors
 from kiln.core.money import nano_to_usd_str
 from kiln.core.records import Usage
 from kiln.protocols.base import Context, Step, as_bool
-from kiln.protocols.chat_backed import ChatBacked, backend_json, choices_of
+from kiln.protocols.chat_backed import ChatBacked, backend_json, choices_of, malformed
 
 DONE = b"data: [DONE]\n\n"
 
@@ -116,6 +116,8 @@ class Passthrough(ChatBacked):
     def _chunk(self, payload: bytes) -> Step:
         if self._parses():
             return self._parsed(backend_json(payload))
+        if payload[:1] != b"{" or payload[-1:] != b"}":  # not a JSON object: garbage from the backend
+            raise malformed()
         usage = None
         if b'"usage"' in payload:
             data = backend_json(payload)

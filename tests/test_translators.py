@@ -1,0 +1,236 @@
+"""Each translator on recorded backend bytes, in process, beside the end-to-end tests.
+
+The recordings (tests/recordings/) are the simulator's vLLM 0.33 wire
+format: a JSON answer and its SSE stream with continuous usage stats, for a
+text reply with reasoning, two tool calls, and a reply cut at max_tokens. A
+translator is driven through its contract alone (request, chunk, finish,
+response, render, error), the way the pipeline drives it, so these tests
+pin the contract and each protocol's mapping without a server in between.
+"""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kiln.catalog import Backend, Capabilities, Catalog, Model
+from kiln.core.errors import GatewayError
+from kiln.core.money import Prices
+from kiln.core.records import Usage
+from kiln.protocols.anthropic.count_tokens import CountTokensTranslator
+from kiln.protocols.anthropic.messages import MessagesTranslator
+from kiln.protocols.base import Context, Translator
+from kiln.protocols.openai.chat import ChatTranslator
+from kiln.protocols.openai.completions import CompletionsTranslator
+from kiln.protocols.openai.responses import ResponsesTranslator
+from kiln.protocols.reasoning import ReasoningSeal
+from kiln.upstream import SSEParser
+
+RECORDINGS = Path(__file__).with_name("recordings")
+MODEL = Model("m", [Backend("http://127.0.0.1:9/v1", "backend-m")], Prices(Decimal(1), Decimal(1), Decimal(2)),
+              32768, 8192, Capabilities(reasoning=True), family="qwen3", aliases=("alias-m",))
+CTX = Context(Catalog([MODEL]), ReasoningSeal(b"k" * 32))
+HI = [{"role": "user", "content": "hi"}]
+WEATHER_ANTHROPIC = {"name": "get_weather", "description": "Weather.",
+                     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}
+
+
+def payloads(name: str) -> list[bytes]:
+    """The data payloads of a recorded stream, split as the upstream boundary splits them."""
+    return SSEParser(1 << 20).feed((RECORDINGS / f"{name}.sse").read_bytes())
+
+
+def run_stream(tr: Translator, name: str) -> tuple[bytes, Usage, int]:
+    """Feed a recording through chunk() until the translator is done; finish with the last usage."""
+    out, usage, delivered = [], None, 0
+    for payload in payloads(name):
+        frames, reported, pieces, done = tr.chunk(payload)
+        out.append(frames)
+        usage = reported or usage
+        delivered += pieces
+        if done:
+            break
+    assert usage is not None
+    out.append(tr.finish(usage, 1234))
+    return b"".join(out), usage, delivered
+
+
+def sse_events(raw: bytes) -> list[tuple[str, dict[str, Any]]]:
+    events = []
+    for frame in raw.decode().split("\n\n"):
+        if frame.startswith("event: "):
+            head, data = frame.split("\n", 1)
+            events.append((head[len("event: "):], json.loads(data[len("data: "):])))
+    return events
+
+
+# -- the contract itself -----------------------------------------------------------------------------
+
+
+def test_request_returns_an_upstream_call_and_the_cap_is_lowered_only_through_it() -> None:
+    call = ChatTranslator(CTX).request({"model": "alias-m", "messages": HI, "max_completion_tokens": 100, "n": 2})
+    assert (call.model, call.path, call.stream, call.max_output_tokens, call.outputs) == (MODEL, "/chat/completions",
+                                                                                         False, 100, 2)
+    assert "model" not in call.body and call.tokenize == {"messages": HI}
+    call.lower_cap(40)
+    sent = json.loads(call.encode("backend-m"))
+    assert sent["model"] == "backend-m" and sent["max_tokens"] == 40 and "max_completion_tokens" not in sent
+
+
+def test_every_protocol_maps_to_an_upstream_call() -> None:
+    calls = [
+        CompletionsTranslator(CTX).request({"model": "m", "prompt": ["a", "b"], "n": 3, "max_tokens": 7}),
+        ResponsesTranslator(CTX).request({"model": "m", "input": "hi", "stream": True, "max_output_tokens": 50}),
+        MessagesTranslator(CTX).request({"model": "m", "max_tokens": 64, "messages": HI}),
+        CountTokensTranslator(CTX).request({"model": "m", "messages": HI, "tools": [WEATHER_ANTHROPIC]}),
+    ]
+    assert [(c.path, c.stream, c.max_output_tokens, c.outputs, c.kind) for c in calls] == [
+        ("/completions", False, 7, 6, "generation"), ("/chat/completions", True, 50, 1, "generation"),
+        ("/chat/completions", False, 64, 1, "generation"), ("/tokenize", False, 0, 1, "count")]
+    assert calls[1].body["stream_options"] == {"include_usage": True}
+    assert calls[3].tokenize["tools"][0]["function"]["name"] == "get_weather"
+    assert calls[3].tokenize["add_generation_prompt"] is True
+
+
+def test_a_backend_answer_of_the_wrong_shape_is_a_502_not_a_defect() -> None:
+    for tr in (ChatTranslator(CTX), MessagesTranslator(CTX), ResponsesTranslator(CTX)):
+        body: dict[str, Any] = {"model": "m", "messages": HI, "input": "hi", "max_tokens": 8, "stream": True}
+        tr.request(body)
+        for bad in (b"not json", b"[1]", b'{"choices": "x"}', b'{"choices": [{"delta": []}]}',
+                    b'{"choices": [{"delta": {"content": 5}}]}', b'{"choices": [{"delta": {"tool_calls": [1]}}]}'):
+            if isinstance(tr, ChatTranslator) and bad.startswith(b'{"choices"'):
+                continue  # pass-through: a chunk that is a JSON object is forwarded, not read
+            with pytest.raises(GatewayError) as exc:
+                tr.chunk(bad)
+            assert exc.value.status == 502 and exc.value.backend  # the backend's fault, not a defect of Kiln
+
+
+def test_an_in_stream_backend_error_is_raised_as_the_backends() -> None:
+    tr = MessagesTranslator(CTX)
+    tr.request({"model": "m", "max_tokens": 8, "messages": HI, "stream": True})
+    with pytest.raises(GatewayError) as exc:
+        tr.chunk(b'{"error": {"message": "engine died", "code": 500}}')
+    assert exc.value.status == 502 and exc.value.backend
+
+
+# -- Chat: nearly the identity -------------------------------------------------------------------------
+
+
+def test_chat_stream_passes_bytes_through_with_the_clients_model_name() -> None:
+    tr = ChatTranslator(CTX)
+    tr.request({"model": "alias-m", "messages": HI, "stream": True})
+    raw, usage, delivered = run_stream(tr, "chat-text")
+    recorded = payloads("chat-text")
+    chunks = [json.loads(line[6:]) for line in raw.decode().split("\n\n") if line.startswith("data: {")]
+    assert all(c["model"] == "alias-m" for c in chunks)
+    assert len(chunks) == len(recorded) - 2  # the usage chunk is held back (not asked for); [DONE] ends it
+    assert delivered == usage.completion_tokens  # the role and finish chunks carry no output
+    assert raw.endswith(b"data: [DONE]\n\n") and tr.finish_reason() == "stop"
+
+
+def test_chat_json_gets_the_cost_as_an_exact_number() -> None:
+    tr = ChatTranslator(CTX)
+    tr.request({"model": "m", "messages": HI})
+    usage = tr.response((RECORDINGS / "chat-tools.json").read_bytes())
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens, usage.reasoning_tokens) == (91, 64, 4)
+    body = json.loads(tr.render(usage, 1234), parse_float=Decimal)
+    assert body["usage"]["cost"] == Decimal("0.000001234") and body["model"] == "m"
+    assert len(body["choices"][0]["message"]["tool_calls"]) == 2 and tr.finish_reason() == "tool_calls"
+
+
+def test_chat_usage_the_backend_cannot_have_used_is_not_trusted() -> None:
+    tr = ChatTranslator(CTX)
+    tr.request({"model": "m", "messages": HI})
+    for usage in ({"prompt_tokens": -5, "completion_tokens": 3}, {"prompt_tokens": 1 << 62, "completion_tokens": 1},
+                  {"prompt_tokens": "9", "completion_tokens": 1}, {"prompt_tokens": True, "completion_tokens": 1}):
+        raw = json.dumps({"choices": [{"message": {"content": "x"}, "finish_reason": "stop"}], "usage": usage})
+        assert tr.response(raw.encode()) is None
+
+
+# -- Messages ----------------------------------------------------------------------------------------------
+
+
+def test_messages_stream_from_recorded_tool_calls_follows_anthropics_grammar() -> None:
+    tr = MessagesTranslator(CTX)
+    tr.request({"model": "alias-m", "max_tokens": 500, "stream": True, "messages": HI, "tools": [WEATHER_ANTHROPIC],
+                "thinking": {"type": "enabled", "budget_tokens": 1024}})
+    raw, usage, _ = run_stream(tr, "chat-tools")
+    events = sse_events(raw)
+    names = [n for n, _ in events]
+    assert names[0] == "message_start" and names[-2:] == ["message_delta", "message_stop"]
+    starts = [d["content_block"] for n, d in events if n == "content_block_start"]
+    assert [b["type"] for b in starts] == ["thinking", "tool_use", "tool_use"]
+    assert [d["index"] for n, d in events if n == "content_block_start"] == [0, 1, 2]
+    signature = next(d["delta"]["signature"] for n, d in events if n == "content_block_delta"
+                     and d["delta"]["type"] == "signature_delta")
+    assert CTX.seal.open(signature) == "Use the tool."  # the reasoning travels back in the signature
+    delta = events[-2][1]
+    assert delta["delta"]["stop_reason"] == "tool_use" and delta["usage"]["output_tokens"] == usage.completion_tokens
+    assert events[0][1]["message"]["model"] == "alias-m"
+
+
+def test_messages_json_from_recorded_text() -> None:
+    tr = MessagesTranslator(CTX)
+    tr.request({"model": "m", "max_tokens": 500, "messages": HI, "thinking": {"type": "adaptive",
+                                                                              "display": "omitted"}})
+    usage = tr.response((RECORDINGS / "chat-text.json").read_bytes())
+    assert usage is not None
+    body = json.loads(tr.render(usage, 0))
+    assert [b["type"] for b in body["content"]] == ["thinking", "text"]
+    assert body["content"][0]["thinking"] == "" and CTX.seal.open(body["content"][0]["signature"]) == "Greet back."
+    assert body["content"][1]["text"] == "Hello there, friend." and body["stop_reason"] == "end_turn"
+    assert "cost" not in body["usage"]
+
+
+def test_messages_length_and_keepalive_order() -> None:
+    tr = MessagesTranslator(CTX)
+    tr.request({"model": "m", "max_tokens": 5, "stream": True, "messages": HI})
+    first, second = tr.keepalive(), tr.keepalive()
+    assert first.startswith(b"event: message_start") and second.startswith(b"event: ping")
+    raw, _, _ = run_stream(tr, "chat-length")
+    events = sse_events(first + second + raw)
+    assert [n for n, _ in events].count("message_start") == 1
+    assert events[-2][1]["delta"]["stop_reason"] == "max_tokens"
+
+
+# -- Responses ----------------------------------------------------------------------------------------------
+
+
+def test_responses_stream_from_recorded_tool_calls() -> None:
+    tr = ResponsesTranslator(CTX)
+    tr.request({"model": "m", "input": "weather?", "stream": True,
+                "tools": [{"type": "function", "name": "get_weather", "description": "Weather.",
+                           "parameters": {"type": "object", "properties": {}}}]})
+    raw, usage, _ = run_stream(tr, "chat-tools")
+    events = [d for _, d in sse_events(raw)]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.completed"
+    done = [e["item"] for e in events if e["type"] == "response.output_item.done"]
+    assert [i["type"] for i in done] == ["reasoning", "function_call", "function_call"]
+    assert [json.loads(i["arguments"])["city"] for i in done[1:]] == ["Paris", "Oslo"]
+    final = events[-1]["response"]
+    assert final["usage"]["output_tokens"] == usage.completion_tokens and "cost" not in final["usage"]
+
+
+def test_responses_keepalive_is_small_and_names_the_response() -> None:
+    tools = [{"type": "function", "name": f"t{i}", "description": "x" * 400, "parameters": {}} for i in range(20)]
+    tr = ResponsesTranslator(CTX)
+    tr.request({"model": "m", "input": "hi", "stream": True, "tools": tools})
+    opening = tr.keepalive()
+    later = tr.keepalive()
+    assert opening.count(b"event: ") == 2 and len(opening) > 8000  # created + in_progress, the whole skeleton
+    assert len(later) < 300 and b'"status":"in_progress"' in later
+
+
+def test_responses_json_from_recorded_length_is_incomplete() -> None:
+    tr = ResponsesTranslator(CTX)
+    tr.request({"model": "m", "input": "hi", "max_output_tokens": 5})
+    usage = tr.response((RECORDINGS / "chat-length.json").read_bytes())
+    assert usage is not None
+    body = json.loads(tr.render(usage, 10))
+    assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert body["usage"]["cost"] == 0.00000001
