@@ -21,7 +21,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from kiln import access_log, admin, console, metrics, usage
+from kiln import access_log, admin, console, metrics, tracing, usage
 from kiln.catalog import Catalog, Model
 from kiln.config import Settings, build_catalog
 from kiln.core import errors
@@ -220,6 +220,7 @@ def create_app(
     `on_ready(gateway)` runs once everything is open."""
     catalog = catalog or build_catalog(settings)
     access_log.configure(settings.log)
+    tracing.configure(settings.tracing)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -264,6 +265,7 @@ def create_app(
             await ledger.stop()
             await client.close()
             await db.close()
+            tracing.shutdown()
 
     routes = [
         Route("/v1/models", list_models, methods=["GET"]),

@@ -58,6 +58,15 @@ class MetricsSettings:
 
 
 @dataclass
+class TracingSettings:
+    """OpenTelemetry traces (tracing.py): off unless `endpoint` names an OTLP/HTTP collector."""
+
+    endpoint: str | None = None  # e.g. http://127.0.0.1:4318/v1/traces
+    service_name: str = "kiln"
+    sample_ratio: float = 1.0
+
+
+@dataclass
 class Settings:
     host: str = "127.0.0.1"
     port: int = DEFAULT_PORT
@@ -78,6 +87,7 @@ class Settings:
     limits: Limits = field(default_factory=Limits)
     log: LogSettings = field(default_factory=LogSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
+    tracing: TracingSettings = field(default_factory=TracingSettings)
     models: list[dict[str, Any]] = field(default_factory=list)  # validated model tables
     demo: bool = False  # no models configured: serve the simulated demo model
     admin_key: str | None = None  # from KILN_ADMIN_KEY
@@ -122,7 +132,7 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
     problems: list[str] = []
-    _unknown(raw, {"server", "limits", "log", "metrics", "models"}, "", problems)
+    _unknown(raw, {"server", "limits", "log", "metrics", "tracing", "models"}, "", problems)
     settings = Settings()
     server = _table(raw, "server", problems)
     _unknown(server, set(_SERVER_FIELDS), "server.", problems)
@@ -143,6 +153,7 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
                 setattr(settings.limits, name, limits[name])
     _check_log(_table(raw, "log", problems), settings.log, problems)
     _check_metrics(_table(raw, "metrics", problems), settings.metrics, problems)
+    _check_tracing(_table(raw, "tracing", problems), settings.tracing, problems)
     if settings.sqlite_synchronous.upper() not in ("NORMAL", "FULL"):
         problems.append("server.sqlite_synchronous: expected 'normal' or 'full'")
     # Environment overrides (for containers and tests) and secrets.
@@ -210,6 +221,29 @@ def _check_metrics(table: dict[str, Any], metrics: MetricsSettings, problems: li
             problems.append("metrics.org_label: expected true or false")
         else:
             metrics.org_label = table["org_label"]
+
+
+def _check_tracing(table: dict[str, Any], tracing: TracingSettings, problems: list[str]) -> None:
+    _unknown(table, {"endpoint", "service_name", "sample_ratio"}, "tracing.", problems)
+    endpoint = table.get("endpoint")
+    if endpoint is not None:
+        parsed = urlparse(endpoint) if isinstance(endpoint, str) else None
+        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+            problems.append(f"tracing.endpoint: expected an OTLP/HTTP URL such as http://127.0.0.1:4318/v1/traces, "
+                            f"got {endpoint!r}")
+        else:
+            tracing.endpoint = endpoint
+    if "service_name" in table:
+        if not isinstance(table["service_name"], str) or not table["service_name"]:
+            problems.append("tracing.service_name: expected a name")
+        else:
+            tracing.service_name = table["service_name"]
+    if "sample_ratio" in table:
+        ratio = table["sample_ratio"]
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+            problems.append(f"tracing.sample_ratio: expected a number from 0 to 1, got {ratio!r}")
+        else:
+            tracing.sample_ratio = float(ratio)
 
 
 def build_catalog(settings: Settings, env: dict[str, str] | None = None, sim_url: str | None = None) -> Catalog:

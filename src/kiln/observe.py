@@ -1,4 +1,4 @@
-"""What an operator sees of one request once it is over: its metrics and its access-log line.
+"""What an operator sees of one request once it is over: its metrics, its access-log line, its spans.
 
 Called once per request by the pipeline, never per chunk. `finished` is for
 a request admission let in (its usage event, if one was recorded, gives the
@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 
-from kiln import access_log, metrics
+from kiln import access_log, metrics, tracing
 from kiln.core.errors import GatewayError
 from kiln.core.records import ApiKey, UsageEvent
 
 
 def finished(endpoint: str, model: str, status: int, error: str, *, started: float, key: ApiKey,
-             event: UsageEvent | None, backend_url: str | None, backend_s: float) -> None:
+             event: UsageEvent | None, backend_url: str | None, backend_s: float, trace: tracing.Trace) -> None:
+    tracing.end(trace, model, status, error, event)
     duration = time.monotonic() - started
     if event is None:
         metrics.record_request(endpoint, model, status, error, duration_s=duration)
@@ -32,9 +33,11 @@ def finished(endpoint: str, model: str, status: int, error: str, *, started: flo
                            model=model, backend=backend_url, error=None if error == "none" else error)
 
 
-def refused(endpoint: str, err: GatewayError, *, started: float, key: ApiKey | None, model: str | None) -> None:
+def refused(endpoint: str, err: GatewayError, *, started: float, key: ApiKey | None, model: str | None,
+            trace: tracing.Trace) -> None:
     duration = time.monotonic() - started
     error = metrics.error_type(err.status, err.backend)
+    tracing.end(trace, model, err.status, error, None)
     metrics.record_request(endpoint, model, err.status, error, duration_s=duration)
     if err.reason is not None:
         metrics.record_refusal(err.reason)

@@ -33,7 +33,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kiln import access_log, metrics, observe, tokenizer
+from kiln import access_log, metrics, observe, tokenizer, tracing
 from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
 from kiln.core import errors
@@ -88,6 +88,7 @@ class _Run:
     started: float
     generation_id: str
     deadline: float
+    trace: tracing.Trace
     backend: Backend | None = None
     usage: Usage | None = None  # the latest the backend reported
     delivered: int = 0  # output pieces that reached the client (about one token each)
@@ -135,6 +136,7 @@ class Gateway:
     async def handle(self, request: Request, make: MakeTranslator) -> Response | StreamResponse:
         started = time.monotonic()
         tr = make(self.ctx)
+        trace = tracing.begin(request.headers, tr.endpoint)
         key: ApiKey | None = None
         call: UpstreamCall | None = None
         try:
@@ -146,13 +148,14 @@ class Gateway:
             ticket = await self.admission.admit(key, self.accounts.org(key.org_id),
                                                 _demand(call, tr.endpoint, len(raw)), generation_id)
         except GatewayError as err:
-            observe.refused(tr.endpoint, err, started=started, key=key, model=call.model.id if call else None)
+            observe.refused(tr.endpoint, err, started=started, key=key, model=call.model.id if call else None,
+                            trace=trace)
             return _reply(tr, err)
         if call.kind == "count":
-            return await self._count(tr, call, key, started)
+            return await self._count(tr, call, key, started, trace)
         if ticket.capped:  # the money left covers less output than asked: ask the backend for less
             call.lower_cap(ticket.output_tokens // ticket.outputs)
-        run = _Run(key, tr, call, ticket, started, generation_id, started + self.settings.request_timeout_s)
+        run = _Run(key, tr, call, ticket, started, generation_id, started + self.settings.request_timeout_s, trace)
         self.in_flight += 1
         try:
             if call.stream:
@@ -188,9 +191,11 @@ class Gateway:
         for backend in self.router.candidates(call.model):
             run.backend = backend
             body = _encode(call, backend)
+            headers = tracing.backend_headers(run.trace, call.model.id, backend.url)
             sent = time.monotonic()
             try:
-                return await self.upstream.post(backend, call.path, body, stream=call.stream, deadline=run.deadline)
+                return await self.upstream.post(backend, call.path, body, stream=call.stream, deadline=run.deadline,
+                                                headers=headers)
             except GatewayError as err:
                 if not err.failover:
                     raise
@@ -355,7 +360,8 @@ class Gateway:
 
     # -- count_tokens ----------------------------------------------------------------
 
-    async def _count(self, tr: Translator, call: UpstreamCall, key: ApiKey, started: float) -> Response:
+    async def _count(self, tr: Translator, call: UpstreamCall, key: ApiKey, started: float,
+                     trace: tracing.Trace) -> Response:
         """The exact prompt size from a backend's tokenizer; an estimate (logged) if none can count."""
         try:
             backends = self.router.candidates(call.model)
@@ -366,7 +372,7 @@ class Gateway:
             count = tokenizer.estimate(call.tokenize)
             log.warning("count_tokens for %s is an estimate: no backend tokenizer answered", call.model.id)
         observe.finished(tr.endpoint, call.model.id, 200, "none", started=started, key=key, event=None,
-                         backend_url=None, backend_s=0.0)
+                         backend_url=None, backend_s=0.0, trace=trace)
         return Response(tr.render(Usage(count), 0), media_type="application/json")
 
     # -- metering ----------------------------------------------------------------
@@ -443,7 +449,8 @@ class Gateway:
     def _observe(self, run: _Run, status: int, error: str = "none") -> None:
         observe.finished(run.tr.endpoint, run.call.model.id, status, error, started=run.started, key=run.key,
                          event=run.metered[0] if run.metered is not None else None,
-                         backend_url=run.backend.url if run.backend else None, backend_s=run.backend_s)
+                         backend_url=run.backend.url if run.backend else None, backend_s=run.backend_s,
+                         trace=run.trace)
 
     # -- background work -----------------------------------------------------------
 

@@ -64,14 +64,15 @@ class Upstream:
             await self.session.close()
             self.session = None
 
-    async def post(self, backend: Backend, path: str, body: bytes, *, stream: bool,
-                   deadline: float) -> aiohttp.ClientResponse:
+    async def post(self, backend: Backend, path: str, body: bytes, *, stream: bool, deadline: float,
+                   headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
         """POST and return once a 200's headers are in; any failure as a GatewayError.
 
-        `deadline` is a time.monotonic() value the whole exchange must end by.
+        `deadline` is a time.monotonic() value the whole exchange must end by;
+        `headers` go with the request (trace context).
         """
         assert self.session is not None
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **(headers or {})}
         if backend.api_key:
             headers["Authorization"] = f"Bearer {backend.api_key}"
         timeout = aiohttp.ClientTimeout(total=_left(deadline), sock_connect=self.limits.connect_s,
