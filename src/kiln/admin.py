@@ -21,9 +21,11 @@ from kiln.core.records import SPEND_RESETS
 from kiln.core.clock import CLOCK
 from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str, usd_to_nano
+from kiln.http import read_body
 from kiln.pipeline import Gateway
 from kiln.protocols.base import openai_error
 
+ADMIN_MAX_BODY_BYTES = 64 * 1024  # admin bodies are a few fields; a 64 MiB name is an attack
 Handler = Callable[[Request, Gateway, dict[str, Any]], Awaitable[Any]]
 
 
@@ -242,7 +244,7 @@ def _endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaita
                 raise errors.unauthorized("An admin credential is required (Authorization: Bearer <admin key>).")
             body: dict[str, Any] = {}
             if request.method in ("POST", "PATCH", "PUT"):
-                raw = await request.body()
+                raw = await read_body(request, ADMIN_MAX_BODY_BYTES, gw.settings.body_timeout_s)
                 if raw:
                     try:
                         body = orjson.loads(raw)

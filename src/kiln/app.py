@@ -24,7 +24,7 @@ from kiln import admin
 from kiln.catalog import Catalog
 from kiln.config import Settings
 from kiln.core import errors
-from kiln.core.accounts import Accounts
+from kiln.core.accounts import ADMIN_HASH_META, Accounts
 from kiln.core.clock import CLOCK
 from kiln.core.admission import MemoryAdmission
 from kiln.core.errors import GatewayError
@@ -44,6 +44,7 @@ from kiln.store import make_store
 from kiln.upstream import Upstream
 
 log = logging.getLogger("kiln")
+DRAIN_S = 15.0  # shutdown: the longest the metering of cut streams may take (tokenizer call included)
 
 def _json(data: object, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status_code=status, media_type="application/json")
@@ -153,16 +154,17 @@ async def key_info(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Without the admin credential only the state: up ("ok"), "degraded" (no model can be
+    served) or "maintenance". With it, also model availability and requests in flight."""
     gw: Gateway = request.app.state.gateway
     maintenance = gw.maintenance.active
-    return _json(
-        {
-            "status": "maintenance" if maintenance else "ok",
-            "maintenance_until": gw.maintenance.until if maintenance else None,
-            "models": {m.id: m.available for m in gw.catalog.models},
-            "in_flight": gw.in_flight,
-        }
-    )
+    models = {m.id: m.available for m in gw.catalog.models}
+    status = "maintenance" if maintenance else ("ok" if any(models.values()) else "degraded")
+    body: dict[str, object] = {"status": status, "maintenance_until": gw.maintenance.until if maintenance else None}
+    token, _ = bearer_token(request.headers.get("authorization"), None)
+    if token is not None and gw.accounts.is_admin(token):
+        body.update(models=models, in_flight=gw.in_flight)
+    return _json(body)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -191,10 +193,10 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         store = make_store(settings.database_url, settings.sqlite_synchronous)
         await store.open()
+        if settings.admin_key:  # the only admin credential: it replaces the stored one (rotation)
+            await store.set_meta(ADMIN_HASH_META, hash_key(settings.admin_key))
         accounts = Accounts(store)
         await accounts.load()
-        if settings.admin_key:
-            accounts.add_admin_hash(hash_key(settings.admin_key))
         ledger = Ledger(store)
         await ledger.start()
         upstream = Upstream(settings.connect_timeout_s, settings.request_timeout_s)
@@ -213,6 +215,7 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         try:
             yield
         finally:
+            await gateway.drain(DRAIN_S)  # the metering of cut streams, before the ledger stops
             if refresher is not None:
                 refresher.cancel()
                 await asyncio.gather(refresher, return_exceptions=True)

@@ -98,6 +98,24 @@ class Gateway:
         self.router = router
         self.maintenance = Maintenance()
         self.in_flight = 0
+        self._background: set[asyncio.Future[Any]] = set()  # the metering of cut streams
+
+    def spawn(self, work: Any) -> None:
+        """Run a coroutine off the response path, tracked: shutdown waits for it (`drain`)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shutdown: wait until every admitted request is settled and metered (at most `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while (self.in_flight or self._background) and time.monotonic() < deadline:
+            if self._background:
+                await asyncio.wait(list(self._background), timeout=deadline - time.monotonic())
+            else:
+                await asyncio.sleep(0.05)
+        if self.in_flight or self._background:
+            log.error("shutdown: %d requests unsettled after %.0f s", self.in_flight, timeout_s)
 
     def authenticate(self, request: Request) -> ApiKey:
         headers = request.headers
@@ -109,7 +127,7 @@ class Gateway:
     async def intake(self, request: Request) -> tuple[ApiKey, bytes, Any]:
         """Authenticate, then read the bounded body and parse it as JSON."""
         key = self.authenticate(request)
-        raw = await read_body(request, self.settings.max_body_bytes)
+        raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
         try:
             return key, raw, orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -298,8 +316,8 @@ class Gateway:
         finally:
             resp.close()  # cancels the generation on the backend if it is still running
             if cancelled:
-                # The client went away: bill what was generated, off the response path.
-                asyncio.ensure_future(self._meter(call, status="cancelled", cancelled=True))
+                # The client went away or shutdown cut the stream: bill what was generated, off the response path.
+                self.spawn(self._meter(call, status="cancelled", cancelled=True))
 
     # -- metering ----------------------------------------------------------------
 
