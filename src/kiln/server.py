@@ -14,6 +14,7 @@ chunk of a response:
   `max_headers` header lines: else 431 and close;
 - the head must be complete `header_timeout_s` after the connection opened or its
   previous response ended: else 408 (or a plain close if nothing came) — slowloris;
+- a head httptools cannot parse gets its 400 as JSON in the caller's protocol too;
 - at most `max_connections` open (capped to what the open-file limit allows): a new
   connection beyond that closes the connection that has waited longest without a
   request in progress, so an idle flood cannot lock real clients out.
@@ -130,10 +131,8 @@ class GuardedProtocol(HttpToolsProtocol):
         super().on_header(name, value)
 
     def send_400_response(self, msg: str) -> None:
-        if self._refusal is not None:
-            self._refuse(*self._refusal)
-        else:
-            super().send_400_response(msg)
+        """uvicorn's answer to a head httptools cannot parse: in the caller's protocol here."""
+        self._refuse(*(self._refusal or (400, "Invalid HTTP request received.")))
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -160,7 +159,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._in_head = False
         if self.transport.is_closing():
             return
-        reason = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
         body = _error_body(self.url, status, message)
         head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
@@ -173,7 +172,7 @@ def _error_body(url: bytes, status: int, message: str) -> bytes:
     if url.startswith(b"/v1/messages"):
         kind = "request_too_large" if status == 431 else "invalid_request_error"
         return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
-    code = "request_header_too_large" if status == 431 else "request_timeout"
+    code = {400: "invalid_http_request", 408: "request_timeout", 431: "request_header_too_large"}[status]
     return orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
 
 

@@ -273,3 +273,44 @@ def test_over_the_connection_cap_the_longest_idle_make_room(sim: Sim) -> None:
         assert result["idle_connections"] == 300
     finally:
         stop(gw.proc)
+
+
+@pytest.mark.parametrize("path,shape", [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")])
+def test_a_slow_body_gets_a_408_in_the_callers_protocol(sim: Sim, path: str, shape: str) -> None:
+    gw = start_gateway(_config(sim, "body_timeout_s = 2\n"))
+    try:
+        tenant = gw.new_key()
+        host, port = gw.url.removeprefix("http://").split(":")
+        head = (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {tenant.key}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n").encode()
+        started = time.monotonic()
+        answer = b""
+        with socket.create_connection((host, int(port)), timeout=15) as s:
+            s.sendall(head)
+            s.setblocking(False)
+            while time.monotonic() - started < 12 and b"\r\n\r\n" not in answer:
+                try:
+                    s.send(b" ")  # a byte a second
+                except OSError:
+                    break
+                time.sleep(1.0)
+                try:
+                    answer += s.recv(65536)
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    break
+            time.sleep(0.3)
+            s.setblocking(True)
+            try:
+                answer += s.recv(65536)
+            except OSError:
+                pass
+        seconds = time.monotonic() - started
+        observe("flood:slow body", path=path, seconds=round(seconds, 2), answer=answer[:300].decode("latin-1"))
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:300]
+        assert seconds < 2 + 4
+        body = orjson.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert (body["type"] == "error") if shape == "anthropic" else (body["error"]["code"] == "request_timeout")
+    finally:
+        stop(gw.proc)

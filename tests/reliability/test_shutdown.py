@@ -22,7 +22,9 @@ import pytest
 from conftest import QWEN_UPSTREAM, Gateway, Sim, Tenant, catalog_toml, start_gateway, start_sim, stop, wait_for
 from reliability.harness import Answer, body_for, observe, send
 
-GRACE_S = 3
+GRACE_S = 4
+LONG = {"reply_tokens": 3000, "token_delay_ms": 20}  # a minute
+SHORT = {"reply_tokens": 100, "token_delay_ms": 20}  # two seconds: finishes within the grace
 PROTOCOLS = ("chat", "completions", "responses", "messages")
 
 
@@ -31,8 +33,7 @@ def slow_sim() -> Iterator[tuple[Sim, str, str]]:
     """A simulator where prompts with LONG stream for a minute and SHORT for about a second."""
     sim = start_sim("--model", QWEN_UPSTREAM, "--model", "gpt-oss-120b")
     long_tag, short_tag = "long" + uuid.uuid4().hex[:8], "short" + uuid.uuid4().hex[:8]
-    sim.configure(rules=[{"when": long_tag, "sim": {"reply_tokens": 3000, "token_delay_ms": 20}},
-                         {"when": short_tag, "sim": {"reply_tokens": 60, "token_delay_ms": 20}}])
+    sim.configure(rules=[{"when": long_tag, "sim": LONG}, {"when": short_tag, "sim": SHORT}])
     yield sim, long_tag, short_tag
     stop(sim.proc)
 
@@ -46,7 +47,9 @@ def _stream_all(tenant: Tenant, prompts: list[tuple[str, str]]) -> tuple[list[An
     lock = threading.Lock()
 
     def one(protocol: str, prompt: str) -> None:
-        answer = send(tenant, protocol, body_for(protocol, "qwen3-32b", prompt, True, 4000), timeout=90)
+        # Legacy completions has no chat turn for the simulator's rules: it carries the control itself.
+        extra = {"sim": LONG if "long" in prompt else SHORT} if protocol == "completions" else {}
+        answer = send(tenant, protocol, body_for(protocol, "qwen3-32b", prompt, True, 4000, **extra), timeout=90)
         with lock:
             answers.append(answer)
 
