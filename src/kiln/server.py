@@ -78,15 +78,17 @@ def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
 
 
 class GuardedProtocol(HttpToolsProtocol):
+    """Per request it adds one flag test per read, and a dict pop and insert: no timer, no
+    callback per header (the count is checked once the head is in, its size per read)."""
+
     shared: _Shared
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._in_head = False
+        self._head_done = False  # the current request's head is in (its app runs)
         self._head_bytes = 0
-        self._header_count = 0
-        self.url = b""
         self._refusal: tuple[int, str] | None = None
+        self.url = b""
         shared = self.shared
         shared.waiting[self] = self.loop.time()
         if shared.sweeper is None:
@@ -110,53 +112,46 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
-        if self._in_head:
+        if not self._head_done:
             self._head_bytes += len(data)
             if self._head_bytes > self.shared.limits.max_header_bytes:
                 self._refuse(431, f"The request head is larger than {self.shared.limits.max_header_bytes} bytes.")
 
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self._in_head = True
-        self._head_bytes = 0
-        self._header_count = 0
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_count += 1
-        if self._header_count > self.shared.limits.max_headers:
+    def on_headers_complete(self) -> None:
+        self._head_done = True
+        self.shared.waiting.pop(self, None)
+        if len(self.headers) > self.shared.limits.max_headers:
             # httptools turns a callback's exception into a parser error, which uvicorn answers
             # through send_400_response: that is where the refusal is sent.
             self._refusal = (431, f"The request has more than {self.shared.limits.max_headers} headers.")
             raise ValueError("too many headers")
-        super().on_header(name, value)
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)  # the next request's head is already in: it starts now
+        super().on_response_complete()
+        if not pipelined and not self.transport.is_closing():
+            self._head_done = False
+            self._head_bytes = 0
+            self.shared.waiting.pop(self, None)
+            self.shared.waiting[self] = self.loop.time()
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to a head httptools cannot parse: in the caller's protocol here."""
         self._refuse(*(self._refusal or (400, "Invalid HTTP request received.")))
 
-    def on_headers_complete(self) -> None:
-        self._in_head = False
-        self.shared.waiting.pop(self, None)
-        super().on_headers_complete()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
-            self.shared.waiting.pop(self, None)
-            self.shared.waiting[self] = self.loop.time()
-
     def timed_out(self) -> None:
         """The head did not arrive within header_timeout_s."""
         if self.transport.is_closing():
             return
-        if self._in_head:
+        if self._head_bytes:
             self._refuse(408, "The request head did not arrive in time.")
         else:
             self.transport.close()
 
     def _refuse(self, status: int, message: str) -> None:
         """Answer in the caller's protocol (Anthropic's under /v1/messages) and close."""
-        self._in_head = False
+        self._head_done = True
         if self.transport.is_closing():
             return
         reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]

@@ -42,7 +42,7 @@ REPLY_TOKENS = 12
 DELIVERED = 5  # token chunks before a mid-stream fault
 PROMPT_TOKENS = 20
 SLOW_S = 2.0
-HANG_S = 12.0
+HANG_S = 8.0
 TRICKLE_S = 0.001
 HUGE_BYTES = 32 * 1024 * 1024
 _FAULT = re.compile(rb"fault=([a-z_0-9]+)")
