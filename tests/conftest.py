@@ -247,24 +247,27 @@ class Tenant:
         return self.gw.admin.get(f"/orgs/{self.org_id}").json()
 
 
-def start_gateway(config_text: str, env: dict[str, str] | None = None, ns: Any = None) -> Gateway:
-    """A gateway subprocess with this config; inside `ns` (an e2e.LoopbackNamespace) if given.
+def start_gateway(config_text: str, env: dict[str, str] | None = None, ns: Any = None,
+                  data_dir: Path | None = None, **popen: Any) -> Gateway:
+    """A gateway subprocess with this config; inside `ns` (an e2e.LoopbackNamespace) if given;
+    on `data_dir` if given (a restart), else a new one.
 
     Inside a namespace the test process cannot reach it: readiness is read from its log.
     """
-    data_dir = Path(tempfile.mkdtemp(prefix="kiln-test-"))
+    data_dir = data_dir or Path(tempfile.mkdtemp(prefix="kiln-test-"))
     config = data_dir / "kiln.toml"
     config.write_text(config_text)
     port = free_port()
     log = data_dir / "gateway.log"
-    popen = ns.popen if ns is not None else subprocess.Popen
-    proc = popen(
+    start = ns.popen if ns is not None else subprocess.Popen
+    proc = start(
         [sys.executable, "-m", "kiln", "serve", "--config", str(config), "--port", str(port),
          "--data-dir", str(data_dir)],
-        stdout=log.open("w"),
+        stdout=log.open("a"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "KILN_ADMIN_KEY": ADMIN_KEY, **(env or {})},
         text=True,
+        **popen,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
@@ -308,3 +311,8 @@ def assert_recorded_at_no_cost(tenant: Tenant, resp: httpx.Response, status: str
     assert (event["status"], Decimal(event["cost"])) == (status, 0), event
     assert Decimal(tenant.org()["credits"]) == Decimal(credits)
     return event
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--soak", action="store_true", default=False,
+                     help="run the long soak variants of tests/reliability (also: KILN_SOAK=1)")

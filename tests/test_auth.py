@@ -461,7 +461,7 @@ def test_models_list_is_not_billed_and_has_no_generation_id(tenant: Tenant, sim:
 
 
 def test_offline_model_is_unavailable_not_billed(tenant: Tenant) -> None:
-    health = httpx.get(tenant.gw.url + "/health").json()
+    health = tenant.gw.admin.get(tenant.gw.url + "/health").json()  # details need the admin credential
     assert health["models"]["offline-model"] is False
     assert health["models"]["qwen3-32b"] is True
     r = post_chat(tenant.gw, {"Authorization": f"Bearer {tenant.key}"}, body={**CHAT, "model": "offline-model"})

@@ -20,9 +20,11 @@ from kiln.core.errors import GatewayError
 from kiln.core.records import SPEND_RESETS
 from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str, usd_to_nano
+from kiln.http import read_body
 from kiln.pipeline import Gateway
 from kiln.protocols.openai.errors import openai_error
 
+ADMIN_MAX_BODY_BYTES = 64 * 1024  # admin bodies are a few fields; a 64 MiB name is an attack
 # An admin operation: the gateway, the JSON body, and the path and query parameters.
 # The console calls the same operations with its form fields as the body.
 Params = Mapping[str, str]
@@ -248,7 +250,7 @@ def endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaitab
                 raise errors.unauthorized("An admin credential is required (Authorization: Bearer <admin key>).")
             body: dict[str, Any] = {}
             if request.method in ("POST", "PATCH", "PUT"):
-                raw = await request.body()
+                raw = await read_body(request, ADMIN_MAX_BODY_BYTES, gw.settings.body_timeout_s)
                 if raw:
                     try:
                         body = orjson.loads(raw)

@@ -25,7 +25,7 @@ from kiln import access_log, admin, console, metrics, tracing, usage
 from kiln.catalog import Catalog, Model
 from kiln.config import Settings, build_catalog
 from kiln.core import errors
-from kiln.core.accounts import Accounts
+from kiln.core.accounts import ADMIN_HASH_META, Accounts
 from kiln.core.admission import AdmissionControl, MemoryAdmission
 from kiln.core.clock import CLOCK, Clock
 from kiln.core.errors import GatewayError
@@ -48,6 +48,7 @@ from kiln.store.base import Store
 from kiln.upstream import Limits, Upstream
 
 log = logging.getLogger("kiln")
+DRAIN_S = 15.0  # shutdown: the longest the metering of cut streams may take (tokenizer call included)
 
 # The metered endpoints, and count_tokens, which shares their intake: path -> its translator.
 METERED: dict[str, MakeTranslator] = {
@@ -174,16 +175,17 @@ async def key_info(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """Without the admin credential only the state: up ("ok"), "degraded" (no model can be
+    served) or "maintenance". With it, also model availability and requests in flight."""
     gw: Gateway = request.app.state.gateway
     maintenance = gw.maintenance.active
-    return _json(
-        {
-            "status": "maintenance" if maintenance else "ok",
-            "maintenance_until": gw.maintenance.until if maintenance else None,
-            "models": {m.id: m.available for m in gw.catalog.models},
-            "in_flight": gw.in_flight,
-        }
-    )
+    models = {m.id: m.available for m in gw.catalog.models}
+    status = "maintenance" if maintenance else ("ok" if any(models.values()) else "degraded")
+    body: dict[str, object] = {"status": status, "maintenance_until": gw.maintenance.until if maintenance else None}
+    token, _ = bearer_token(request.headers.get("authorization"), None)
+    if token is not None and gw.accounts.is_admin(token):
+        body.update(models=models, in_flight=gw.in_flight)
+    return _json(body)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -226,10 +228,10 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         db = store or make_store(settings.database_url, settings.sqlite_synchronous)
         await db.open()
+        if settings.admin_key:  # the only admin credential: it replaces the stored one (rotation)
+            await db.set_meta(ADMIN_HASH_META, hash_key(settings.admin_key))
         accounts = Accounts(db, clock)
         await accounts.load()
-        if settings.admin_key:
-            accounts.add_admin_hash(hash_key(settings.admin_key))
         ledger = Ledger(db, on_commit=metrics.record_ledger_commit)
         await ledger.start()
         client = upstream or Upstream(Limits(connect_s=settings.connect_timeout_s,
@@ -255,10 +257,10 @@ def create_app(
         try:
             yield
         finally:
+            await gateway.drain(DRAIN_S)  # the metering of cut streams, before the ledger stops
             if refresher is not None:
                 refresher.cancel()
                 await asyncio.gather(refresher, return_exceptions=True)
-            await gateway.drain(settings.shutdown_grace_s)
             if stop_metrics is not None:
                 stop_metrics()
             await router.stop()

@@ -69,21 +69,11 @@ def serve_command(args: argparse.Namespace) -> None:
     sim_url = start_demo_simulator() if settings.demo else None
     catalog = config.build_catalog(settings, sim_url=sim_url)
 
-    import uvicorn
-
     from kiln.app import create_app
+    from kiln.server import serve
 
-    app = create_app(settings, catalog=catalog, on_ready=lambda gw: _bootstrap(gw, settings))
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=settings.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=settings.shutdown_grace_s,
-    )
+    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database and keys live here
+    serve(create_app(settings, catalog=catalog, on_ready=lambda gw: _bootstrap(gw, settings)), settings)
 
 
 def start_demo_simulator() -> str:

@@ -80,9 +80,14 @@ class Settings:
     stream_idle_timeout_s: float = 600.0  # a stream's silence from the backend (a long prefill is not a failure)
     max_upstream_body_bytes: int = 64 * 1024 * 1024  # a backend's JSON answer
     max_upstream_event_bytes: int = 8 * 1024 * 1024  # one SSE event from a backend
-    shutdown_grace_s: float = 30.0  # on SIGTERM: how long requests in flight may still finish
     backend_retry_s: float = 5.0
     refresh_s: float = 2.0  # shared database: how often to take other gateways' key and limit changes
+    shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long, then streams are cut and billed
+    header_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris)
+    body_timeout_s: float = 60.0  # and its body within this once the head is in
+    max_header_bytes: int = 64 * 1024  # request line + headers; 431 beyond
+    max_headers: int = 100  # header lines; 431 beyond
+    max_connections: int = 10_000  # open connections (also capped by the open-file limit)
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
     log: LogSettings = field(default_factory=LogSettings)
@@ -104,9 +109,11 @@ _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "max_body_bytes": int, "request_timeout_s": (int, float), "keepalive_s": (int, float),
     "connect_timeout_s": (int, float), "backend_retry_s": (int, float), "refresh_s": (int, float),
     "stream_idle_timeout_s": (int, float), "max_upstream_body_bytes": int, "max_upstream_event_bytes": int,
-    "shutdown_grace_s": (int, float),
-    "log_level": str,
+    "log_level": str, "shutdown_grace_s": (int, float), "header_timeout_s": (int, float),
+    "body_timeout_s": (int, float), "max_header_bytes": int, "max_headers": int, "max_connections": int,
 }
+_POSITIVE_SERVER_FIELDS = ("shutdown_grace_s", "header_timeout_s", "body_timeout_s", "max_header_bytes",
+                           "max_headers", "max_connections")
 _LIMIT_FIELDS: dict[str, type | tuple[type, ...]] = {"rpm": int, "tpm": int, "concurrency": int,
                                                       "count_tokens_rpm": int}
 LOG_FORMATS = ("auto", "json", "text")
@@ -143,6 +150,9 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
                 problems.append(f"server.{name}: expected {_kind(kind)}, got {value!r}")
             else:
                 setattr(settings, name, Path(value) if name == "data_dir" else value)
+    for name in _POSITIVE_SERVER_FIELDS:
+        if getattr(settings, name) <= 0:
+            problems.append(f"server.{name}: expected a positive number, got {getattr(settings, name)!r}")
     limits = _table(raw, "limits", problems)
     _unknown(limits, set(_LIMIT_FIELDS), "limits.", problems)
     for name in _LIMIT_FIELDS:

@@ -9,26 +9,35 @@ import asyncio
 import time
 from typing import Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
 
 from kiln.core import errors
+from kiln.core.errors import GatewayError
 
 Write = Callable[[bytes], Awaitable[None]]
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, or 413 before reading past `limit` bytes."""
+async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
+    """The request body, or 413 before reading past `limit` bytes, or 408 if it takes
+    longer than `timeout_s` to arrive (a slow-body attack holds no connection for long)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise errors.too_large(f"Request body is larger than {limit} bytes.")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise errors.too_large(f"Request body is larger than {limit} bytes.")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise errors.too_large(f"Request body is larger than {limit} bytes.")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise GatewayError(408, f"The request body did not arrive within {timeout_s:g} s.",
+                           code="request_timeout") from None
+    except ClientDisconnect:
+        raise errors.invalid("The client disconnected before the whole body arrived.") from None
     return b"".join(chunks)
 
 

@@ -111,7 +111,24 @@ class Gateway:
         self.clock = clock
         self.maintenance = Maintenance(clock)
         self.in_flight = 0
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._background: set[asyncio.Future[Any]] = set()  # the metering of cut streams
+
+    def spawn(self, work: Any) -> None:
+        """Run a coroutine off the response path, tracked: shutdown waits for it (`drain`)."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shutdown: wait until every admitted request is settled and metered (at most `timeout_s`)."""
+        deadline = time.monotonic() + timeout_s
+        while (self.in_flight or self._background) and time.monotonic() < deadline:
+            if self._background:
+                await asyncio.wait(list(self._background), timeout=deadline - time.monotonic())
+            else:
+                await asyncio.sleep(0.05)
+        if self.in_flight or self._background:
+            log.error("shutdown: %d requests unsettled after %.0f s", self.in_flight, timeout_s)
 
     # -- intake ------------------------------------------------------------------
 
@@ -125,7 +142,7 @@ class Gateway:
     async def intake(self, request: Request) -> tuple[ApiKey, bytes, Any]:
         """Authenticate, then read the bounded body and parse it as JSON."""
         key = self.authenticate(request)
-        raw = await read_body(request, self.settings.max_body_bytes)
+        raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
         try:
             return key, raw, orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
@@ -451,20 +468,6 @@ class Gateway:
                          event=run.metered[0] if run.metered is not None else None,
                          backend_url=run.backend.url if run.backend else None, backend_s=run.backend_s,
                          trace=run.trace)
-
-    # -- background work -----------------------------------------------------------
-
-    def spawn(self, work: Awaitable[Any]) -> None:
-        """Run `work` off the response path, tracked so shutdown can wait for it."""
-        task = asyncio.ensure_future(work)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def drain(self, timeout_s: float) -> None:
-        """Wait (at most `timeout_s`) for background work such as billing cut streams."""
-        if self._tasks:
-            await asyncio.wait(set(self._tasks), timeout=timeout_s)
-
 
 def _encode(call: UpstreamCall, backend: Backend) -> bytes:
     try:

@@ -10,6 +10,7 @@ batch, not per request.
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,7 +63,9 @@ class SQLiteStore:
     async def open(self) -> None:
         def connect() -> sqlite3.Connection:
             if self.path != ":memory:":
-                Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+                Path(self.path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))  # SQLite gives -wal and -shm
+                os.chmod(self.path, 0o600)  # the database's mode; a file from an older Kiln is tightened
             db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(f"PRAGMA synchronous={self.synchronous}")

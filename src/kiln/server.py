@@ -1,0 +1,252 @@
+"""How the gateway is served: uvicorn, with the connection limits it lacks, a raised
+open-file limit, and a shutdown that bills every stream it cuts.
+
+What uvicorn's httptools protocol honours and what it does not (uvicorn 0.3x-0.5x):
+`backlog` and `timeout_keep_alive` yes, but the keep-alive timer runs only after a
+response and stops at the first byte received, so a connection that never sends, or
+sends a byte a second, is never timed out; `limit_concurrency` answers 503 per request
+while the connections stay open (an idle flood then refuses every real request);
+`h11_max_incomplete_event_size` applies to h11 only: httptools buffers request headers
+of any size (quadratically). `guarded_protocol` adds, per connection and at no cost per
+chunk of a response:
+
+- request head (request line + headers) at most `max_header_bytes`, at most
+  `max_headers` header lines: else 431 and close;
+- the head must be complete `header_timeout_s` after the connection opened or its
+  previous response ended: else 408 (or a plain close if nothing came) — slowloris;
+- a head httptools cannot parse gets its 400 as JSON in the caller's protocol too;
+- at most `max_connections` open (capped to what the open-file limit allows): a new
+  connection beyond that closes the connection that has waited longest without a
+  request in progress, so an idle flood cannot lock real clients out.
+
+Slow bodies are bounded where the body is read (kiln.http.read_body, `body_timeout_s`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+log = logging.getLogger("kiln.server")
+
+FD_RESERVE = 64  # descriptors kept for the database, the log, the upstream pool's spares
+CUT_WAIT_S = 10.0  # after the grace: how long cut requests get to run their cleanup
+SWEEP_EVERY_S = 0.5
+
+
+@dataclass
+class ConnectionLimits:
+    max_header_bytes: int = 64 * 1024
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    max_connections: int = 10_000
+
+
+@dataclass
+class _Shared:
+    """State all connections of one server share: who waits without a request, oldest first."""
+
+    limits: ConnectionLimits
+    waiting: OrderedDict[Any, float] = field(default_factory=OrderedDict)
+    sweeper: asyncio.Task[None] | None = None
+
+    async def sweep(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Close connections whose request head did not arrive in time."""
+        timeout = self.limits.header_timeout_s
+        while True:
+            await asyncio.sleep(SWEEP_EVERY_S)
+            now = loop.time()
+            while self.waiting:
+                conn, since = next(iter(self.waiting.items()))
+                if now - since < timeout:
+                    break
+                self.waiting.pop(conn)
+                conn.timed_out()
+
+
+def guarded_protocol(limits: ConnectionLimits) -> type[HttpToolsProtocol]:
+    """An httptools protocol class enforcing `limits` (one shared state per server)."""
+    return type("GuardedProtocol", (GuardedProtocol,), {"shared": _Shared(limits)})
+
+
+class GuardedProtocol(HttpToolsProtocol):
+    """Per request it adds one flag test per read, and a dict pop and insert: no timer, no
+    callback per header (the count is checked once the head is in, its size per read)."""
+
+    shared: _Shared
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_done = False  # the current request's head is in (its app runs)
+        self._head_bytes = 0
+        self._refusal: tuple[int, str] | None = None
+        self.url = b""
+        shared = self.shared
+        shared.waiting[self] = self.loop.time()
+        if shared.sweeper is None:
+            shared.sweeper = self.loop.create_task(shared.sweep(self.loop))
+        if len(self.connections) > shared.limits.max_connections:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Over the cap: close the connection that has waited longest with no request in progress."""
+        for conn in self.shared.waiting:
+            if conn is not self:
+                self.shared.waiting.pop(conn)
+                conn.transport.close()
+                return
+        self.shared.waiting.pop(self, None)
+        self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.shared.waiting.pop(self, None)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if not self._head_done:
+            self._head_bytes += len(data)
+            if self._head_bytes > self.shared.limits.max_header_bytes:
+                self._refuse(431, f"The request head is larger than {self.shared.limits.max_header_bytes} bytes.")
+
+    def on_headers_complete(self) -> None:
+        self._head_done = True
+        self.shared.waiting.pop(self, None)
+        if len(self.headers) > self.shared.limits.max_headers:
+            # httptools turns a callback's exception into a parser error, which uvicorn answers
+            # through send_400_response: that is where the refusal is sent.
+            self._refusal = (431, f"The request has more than {self.shared.limits.max_headers} headers.")
+            raise ValueError("too many headers")
+        super().on_headers_complete()
+
+    def on_response_complete(self) -> None:
+        pipelined = bool(self.pipeline)  # the next request's head is already in: it starts now
+        super().on_response_complete()
+        if not pipelined and not self.transport.is_closing():
+            self._head_done = False
+            self._head_bytes = 0
+            self.shared.waiting.pop(self, None)
+            self.shared.waiting[self] = self.loop.time()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a head httptools cannot parse: in the caller's protocol here."""
+        self._refuse(*(self._refusal or (400, "Invalid HTTP request received.")))
+
+    def timed_out(self) -> None:
+        """The head did not arrive within header_timeout_s."""
+        if self.transport.is_closing():
+            return
+        if self._head_bytes:
+            self._refuse(408, "The request head did not arrive in time.")
+        else:
+            self.transport.close()
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer in the caller's protocol (Anthropic's under /v1/messages) and close."""
+        self._head_done = True
+        if self.transport.is_closing():
+            return
+        reason = {400: b"Bad Request", 408: b"Request Timeout", 431: b"Request Header Fields Too Large"}[status]
+        body = _error_body(self.url, status, message)
+        head = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+def _error_body(url: bytes, status: int, message: str) -> bytes:
+    if url.startswith(b"/v1/messages"):
+        kind = "request_too_large" if status == 431 else "invalid_request_error"
+        return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+    code = {400: "invalid_http_request", 408: "request_timeout", 431: "request_header_too_large"}[status]
+    return orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
+
+
+def raise_open_file_limit() -> int:
+    """Raise the soft open-file limit to the hard one where the OS allows; returns the soft limit in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if target > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            log.warning("could not raise the open-file limit from %d to %d", soft, target)
+    return soft
+
+
+def connection_cap(configured: int, open_files: int) -> int:
+    """At most `configured` connections, and no more than the file limit serves:
+    a busy connection holds two descriptors (the client's and the backend's)."""
+    return max(1, min(configured, (open_files - FD_RESERVE) // 2))
+
+
+class GatewayServer(uvicorn.Server):
+    """uvicorn's server with Kiln's shutdown.
+
+    On SIGTERM (or a first Ctrl-C): stop accepting, let what runs finish within
+    `grace_s`, then cut what is left (a second Ctrl-C cuts at once) and wait for the
+    cut requests' cleanup, which meters each stream. The app's lifespan shutdown then
+    always runs — uvicorn skips it after a second Ctrl-C — so the metering of cut
+    streams finishes and the ledger is flushed before the process exits.
+    """
+
+    def __init__(self, config: uvicorn.Config, grace_s: float) -> None:
+        super().__init__(config)
+        self.grace_s = grace_s
+
+    async def shutdown(self, sockets: list[Any] | None = None) -> None:
+        log.info("shutting down: no new connections; %d requests running", len(self.server_state.tasks))
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.grace_s
+        while self.server_state.tasks and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(0.1)
+        cut = list(self.server_state.tasks)
+        if cut:
+            log.warning("cutting %d requests still running (grace of %.0f s %s)", len(cut), self.grace_s,
+                        "cut short by a second interrupt" if self.force_exit else "over")
+            for task in cut:
+                task.cancel(msg="gateway shutdown")
+            await asyncio.wait(cut, timeout=CUT_WAIT_S)
+        await self.lifespan.shutdown()
+
+
+def serve(app: Any, settings: Any) -> None:
+    """Run `app` under uvicorn with the server settings (see the [server] table)."""
+    open_files = raise_open_file_limit()
+    limits = ConnectionLimits(
+        max_header_bytes=settings.max_header_bytes,
+        max_headers=settings.max_headers,
+        header_timeout_s=settings.header_timeout_s,
+        max_connections=connection_cap(settings.max_connections, open_files),
+    )
+    log.info("open-file limit %d; at most %d connections", open_files, limits.max_connections)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http=guarded_protocol(limits),
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=settings.shutdown_grace_s,
+    )
+    server = GatewayServer(config, settings.shutdown_grace_s)
+    server.run()
+    if not server.started:
+        raise SystemExit(3)
