@@ -29,6 +29,39 @@ QWEN = "qwen3-32b"  # the session catalog's models (catalog_toml)
 OSS = "gpt-oss-120b"
 QWEN_UPSTREAM = "Qwen/Qwen3-32B"  # the backend's name differs from the public id on purpose
 HELLO = [{"role": "user", "content": "Hello!"}]
+# One tool in each wire format: Chat's nested function, Responses' flat function, Anthropic's custom tool.
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+            "required": ["city"],
+        },
+    },
+}
+WEATHER_RESPONSES = {
+    "type": "function", "name": "get_weather", "description": "Current weather for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "strict": False,
+}
+WEATHER_ANTHROPIC = {
+    "name": "get_weather",
+    "description": "Current weather for a city.",
+    "input_schema": {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+
+
+def upstream(sim: "Sim", tag: str) -> dict[str, Any]:
+    """The chat body the simulator received for the request tagged `tag` (it must have)."""
+    return sim.received(tag)
 
 
 def new_tag() -> str:

@@ -8,7 +8,6 @@ each request carries a unique `sim.tag` so the test finds its own body there.
 from __future__ import annotations
 
 import json
-import uuid
 from decimal import Decimal
 from typing import Any
 
@@ -16,24 +15,9 @@ import httpx
 import openai
 import pytest
 
-from conftest import QWEN_UPSTREAM, Gateway, Sim, Tenant, usage_cost
+from conftest import HELLO, OSS, QWEN, QWEN_UPSTREAM, WEATHER, Gateway, Sim, Tenant, new_tag, upstream, usage_cost
 
-QWEN = "qwen3-32b"
-OSS = "gpt-oss-120b"
-HELLO = [{"role": "user", "content": "Hello!"}]
 EMPTY_MESSAGES = "Invalid 'messages': the array must contain at least one message."
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-            "required": ["city"],
-        },
-    },
-}
 TIME = {
     "type": "function",
     "function": {
@@ -47,10 +31,6 @@ TIME = {
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def new_tag() -> str:
-    return uuid.uuid4().hex
-
-
 def chat(tenant: Tenant, body: dict[str, Any], tag: str | None = None) -> httpx.Response:
     """POST a chat body with httpx; `tag` goes into the simulator's control object."""
     body = dict(body)
@@ -58,11 +38,6 @@ def chat(tenant: Tenant, body: dict[str, Any], tag: str | None = None) -> httpx.
         body["sim"] = {**body.get("sim", {}), "tag": tag}
     with tenant.http() as client:
         return client.post("/v1/chat/completions", json=body)
-
-
-def upstream(sim: Sim, tag: str) -> dict[str, Any]:
-    """The body the simulator received for the request tagged `tag`."""
-    return sim.received(tag)
 
 
 def never_reached(sim: Sim, tag: str) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import socket
-import uuid
 from decimal import Decimal
 from typing import Any, Iterator
 from urllib.parse import urlsplit
@@ -23,21 +22,14 @@ import openai
 import pytest
 
 from conftest import (
-    QWEN_UPSTREAM, Gateway, Sim, Tenant, assert_recorded_at_no_cost, catalog_toml, start_gateway, start_sim, stop,
-    wait_for,
+    HELLO, OSS, QWEN, QWEN_UPSTREAM, Gateway, Sim, Tenant, assert_recorded_at_no_cost, catalog_toml, new_tag,
+    start_gateway, start_sim, stop, wait_for,
 )
 
-QWEN = "qwen3-32b"
-OSS = "gpt-oss-120b"
-HELLO = [{"role": "user", "content": "Hello!"}]
 MIB = 1024 * 1024
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def new_tag() -> str:
-    return uuid.uuid4().hex
 
 
 def post(tenant: Tenant, body: dict[str, Any], **kw: Any) -> httpx.Response:

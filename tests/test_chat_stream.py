@@ -9,31 +9,15 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from decimal import Decimal
 from typing import Any
 
 import httpx
 import pytest
 
-from conftest import QWEN_UPSTREAM, Sim, Tenant, wait_for, usage_cost
+from conftest import HELLO, OSS, QWEN, QWEN_UPSTREAM, WEATHER, Sim, Tenant, new_tag, upstream, usage_cost, wait_for
 from sse import SSE
 
-QWEN = "qwen3-32b"
-OSS = "gpt-oss-120b"
-HELLO = [{"role": "user", "content": "Hello!"}]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather for a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city"],
-        },
-    },
-}
 TIME = {
     "type": "function",
     "function": {
@@ -51,10 +35,6 @@ TWO_CALLS = [
 # -- helpers ---------------------------------------------------------------------------------
 
 
-def new_tag() -> str:
-    return uuid.uuid4().hex
-
-
 def stream(tenant: Tenant, body: dict[str, Any], tag: str | None = None, timeout: float = 30) -> SSE:
     body = {"stream": True, **body}
     if tag is not None:
@@ -63,11 +43,6 @@ def stream(tenant: Tenant, body: dict[str, Any], tag: str | None = None, timeout
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             raw = r.read().decode()
     return SSE(r.status_code, r.headers, raw)
-
-
-def upstream(sim: Sim, tag: str) -> dict[str, Any]:
-    """The body the simulator received for the request tagged `tag`."""
-    return sim.received(tag)
 
 
 def never_reached(sim: Sim, tag: str) -> None:

@@ -17,9 +17,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import QWEN_UPSTREAM, Sim, Tenant
+from conftest import QWEN, QWEN_UPSTREAM, Sim, Tenant
 
-QWEN = "qwen3-32b"
 PRICES = (Decimal("0.10"), Decimal("0.05"), Decimal("0.30"))  # conftest's qwen3-32b, USD per 1M tokens
 
 

@@ -18,23 +18,10 @@ import anthropic
 import httpx
 import pytest
 
-from conftest import Gateway, Sim, Tenant, assert_recorded_at_no_cost
+from conftest import OSS, QWEN, WEATHER_ANTHROPIC as WEATHER, Gateway, Sim, Tenant, assert_recorded_at_no_cost
 
-QWEN = "qwen3-32b"
-OSS = "gpt-oss-120b"
 ALIAS = "claude-opus-5-5"  # an alias of qwen3-32b in conftest's catalog
 MIB = 1024 * 1024
-WEATHER = {
-    "name": "get_weather",
-    "description": "Current weather for a city.",
-    "input_schema": {
-        "$schema": "https://json-schema.org/draft/2020-12/schema",
-        "type": "object",
-        "properties": {"city": {"type": "string"}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-}
 
 
 # -- helpers (shared by the other Messages test modules) ---------------------------------------

@@ -16,14 +16,8 @@ import httpx
 import openai
 import pytest
 
-from conftest import QWEN_UPSTREAM, Sim, Tenant, catalog_cost
+from conftest import OSS, QWEN, QWEN_UPSTREAM, WEATHER_RESPONSES as WEATHER, Sim, Tenant, catalog_cost
 
-QWEN = "qwen3-32b"
-OSS = "gpt-oss-120b"
-WEATHER = {
-    "type": "function", "name": "get_weather", "description": "Current weather for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "strict": False,
-}
 PATCH_GRAMMAR = 'start: "*** Begin Patch" LF hunk+ "*** End Patch"'
 APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
                "format": {"type": "grammar", "syntax": "lark", "definition": PATCH_GRAMMAR}}

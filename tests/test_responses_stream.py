@@ -17,14 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conftest import Gateway, Sim, Tenant
+from conftest import OSS, QWEN, WEATHER_RESPONSES as WEATHER, Gateway, Sim, Tenant
 
-QWEN = "qwen3-32b"
-OSS = "gpt-oss-120b"
-WEATHER = {
-    "type": "function", "name": "get_weather", "description": "Current weather for a city.",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-}
 APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
                "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}
 PATCH = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n"

@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from decimal import Decimal
 from typing import Any
 
 import httpx
 import pytest
 
-from conftest import Sim, Tenant
+from conftest import HELLO, QWEN, Sim, Tenant, new_tag, upstream
 from sse import SSE
 
-QWEN = "qwen3-32b"
-OSS = "gpt-oss-120b"
-HELLO = [{"role": "user", "content": "Hello!"}]
 
 
 IGNORE_STOP = {"ignore_stop": True}  # per request: the simulator then ignores `stop` like some stacks do
@@ -36,10 +32,6 @@ def mode(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 
 # -- helpers ---------------------------------------------------------------------------------
-
-
-def new_tag() -> str:
-    return uuid.uuid4().hex
 
 
 def body_for(reply: str, stop: Any, tag: str | None = None, quirks: dict[str, Any] = IGNORE_STOP,
@@ -80,11 +72,6 @@ def billed(tenant: Tenant, gen_id: str) -> dict[str, Any]:
     assert Decimal(event["cost"]) > 0
     assert event["status"] == "ok" and event["cancelled"] is False
     return event
-
-
-def upstream(sim: Sim, tag: str) -> dict[str, Any]:
-    """The body the simulator received for the request tagged `tag`."""
-    return sim.received(tag)
 
 
 # -- cases ---------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from email.utils import format_datetime
-from typing import Any, Awaitable, Callable
+from typing import Any, Callable
 
 import aiohttp
 import orjson
@@ -158,7 +158,7 @@ class Gateway:
         call: UpstreamCall | None = None
         try:
             key, raw, body = await self.intake(request)
-            call = tr.request(body)
+            call = _translated(tr, body)
             if self.maintenance.active:
                 raise self.maintenance.error()
             generation_id = new_generation_id()
@@ -469,11 +469,23 @@ class Gateway:
                          backend_url=run.backend.url if run.backend else None, backend_s=run.backend_s,
                          trace=run.trace)
 
+TOO_DEEP = "The request is nested too deeply to forward (at most 254 levels)."
+
+
+def _translated(tr: Translator, body: Any) -> UpstreamCall:
+    """The translator's upstream call; a body orjson parses but cannot write back (nested deeper
+    than 254 levels) is the client's 400, wherever the translator re-encodes a piece of it."""
+    try:
+        return tr.request(body)
+    except orjson.JSONEncodeError:
+        raise errors.invalid(TOO_DEEP) from None
+
+
 def _encode(call: UpstreamCall, backend: Backend) -> bytes:
     try:
         return call.encode(backend.model)
     except orjson.JSONEncodeError:
-        raise errors.invalid("The request is nested too deeply to forward (at most 254 levels).") from None
+        raise errors.invalid(TOO_DEEP) from None
 
 
 def _demand(call: UpstreamCall, endpoint: str, body_bytes: int) -> Demand:

@@ -19,7 +19,7 @@ import httpx
 import orjson
 import pytest
 
-from conftest import Gateway, Sim, Tenant, catalog_toml, start_gateway, stop, wait_for
+from conftest import Gateway, Sim, Tenant, catalog_toml, start_gateway, stop
 from reliability.harness import observe
 
 HEADER_TIMEOUT_S = 2

@@ -14,10 +14,8 @@ import signal
 import time
 from collections import Counter
 from decimal import Decimal
-from typing import Any
 
 import httpx
-import pytest
 
 from conftest import QWEN_UPSTREAM, Gateway, Tenant, catalog_toml, start_gateway, start_sim, stop
 from reliability.harness import PATHS, Answer, body_for, observe

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from conftest import QWEN_UPSTREAM, Gateway, Sim, Tenant, catalog_toml, start_gateway, start_sim, stop, wait_for
+from conftest import QWEN_UPSTREAM, Sim, Tenant, catalog_toml, start_gateway, start_sim, stop, wait_for
 from reliability.harness import Answer, body_for, observe, send
 
 GRACE_S = 4

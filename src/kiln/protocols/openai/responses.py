@@ -46,6 +46,7 @@ class ResponsesTranslator(ChatBacked):
         self._created = 0
         self._context_window = 0
         self._mapped = MappedRequest({})
+        self._echo: dict[str, orjson.Fragment] = {}  # the request fields the response repeats, encoded once
         self._items: Items | None = None
         self._events: EventStream | None = None
         self._output: list[dict[str, Any]] = []
@@ -58,6 +59,9 @@ class ResponsesTranslator(ChatBacked):
         self._context_window = model.context_window
         self.stream = stream = stream_flag(body)
         self._mapped = mapped = map_request(body, model, self.ctx.seal)
+        # Encoded now, once: every event and the final object repeat them, and a field nested too
+        # deeply to re-encode is refused before anything is generated (the pipeline's 400).
+        self._echo = {name: orjson.Fragment(orjson.dumps(value)) for name, value in mapped.echo.items()}
         self._id, self._created = new_id("resp_"), int(time.time())
         chat = mapped.body
         chat["stream"] = stream
@@ -151,7 +155,7 @@ class ResponsesTranslator(ChatBacked):
         """The response object; the stream's skeleton until `override` fills it in."""
         return {
             "id": self._id, "object": "response", "created_at": self._created, "status": "in_progress",
-            "background": False, "error": None, "incomplete_details": None, **self._mapped.echo,
+            "background": False, "error": None, "incomplete_details": None, **self._echo,
             "model": self.name, "output": [], "previous_response_id": None, "service_tier": "default",
             "store": False, "truncation": "disabled", "usage": None, "user": None, **override,
         }
