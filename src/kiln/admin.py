@@ -21,6 +21,7 @@ from kiln.core.records import SPEND_RESETS
 from kiln.core.clock import CLOCK
 from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str, usd_to_nano
+from kiln.core.propagation import save_maintenance
 from kiln.pipeline import Gateway
 from kiln.protocols.base import openai_error
 
@@ -221,6 +222,7 @@ async def set_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -
     gw.maintenance.until = until
     if isinstance(body.get("message"), str):
         gw.maintenance.message = body["message"]
+    await save_maintenance(gw.accounts.store, gw.maintenance)  # survives a restart, reaches every replica
     return await get_maintenance(request, gw, body)
 
 

@@ -7,7 +7,6 @@ can too.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from typing import AsyncIterator, Callable
@@ -24,12 +23,9 @@ from kiln import admin
 from kiln.catalog import Catalog
 from kiln.config import Settings
 from kiln.core import errors
-from kiln.core.accounts import Accounts
 from kiln.core.clock import CLOCK
-from kiln.core.admission import MemoryAdmission
 from kiln.core.errors import GatewayError
-from kiln.core.keys import bearer_token, hash_key
-from kiln.core.ledger import Ledger
+from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str
 from kiln.http import StreamResponse
 from kiln.pipeline import Gateway
@@ -40,8 +36,8 @@ from kiln.protocols.count_tokens import count_tokens
 from kiln.protocols.messages import MessagesTranslator
 from kiln.protocols.responses import responses_protocol
 from kiln.router import Router
-from kiln.store import make_store
 from kiln.upstream import Upstream
+from kiln.wiring import close_parts, degraded, open_parts, start_propagation
 
 log = logging.getLogger("kiln")
 
@@ -130,7 +126,10 @@ async def key_info(request: Request) -> Response:
     if key.expires_at is not None and key.expires_at <= CLOCK.time():
         return _error(errors.unauthorized("This API key has expired."))
     project = gw.accounts.projects[key.project_id]
-    limits = await gw.admission.state(key, gw.accounts.org(key.org_id))
+    try:
+        limits = await gw.admission.state(key, gw.accounts.org(key.org_id))
+    except GatewayError as err:  # shared admission unreachable
+        return _error(err)
     spendable = limits.pop("spendable_nano")
     return _json(
         {
@@ -153,15 +152,23 @@ async def key_info(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
+    """ok, maintenance, or degraded (503, so a load balancer drains this replica) when metered
+    requests are refused: the ledger cannot write, or shared admission is unreachable."""
     gw: Gateway = request.app.state.gateway
     maintenance = gw.maintenance.active
+    problems = degraded(gw)
+    status = "degraded" if problems else "maintenance" if maintenance else "ok"
     return _json(
         {
-            "status": "maintenance" if maintenance else "ok",
+            "status": status,
+            "problems": problems,
+            "database": "ok" if gw.accounts.database_ok and not (gw.ledger.spool and gw.ledger.spool.backlog)
+            else "unreachable: usage events wait in the local spool",
             "maintenance_until": gw.maintenance.until if maintenance else None,
             "models": {m.id: m.available for m in gw.catalog.models},
             "in_flight": gw.in_flight,
-        }
+        },
+        503 if problems else 200,
     )
 
 
@@ -189,23 +196,15 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        store = make_store(settings.database_url, settings.sqlite_synchronous)
-        await store.open()
-        accounts = Accounts(store)
-        await accounts.load()
-        if settings.admin_key:
-            accounts.add_admin_hash(hash_key(settings.admin_key))
-        ledger = Ledger(store)
-        await ledger.start()
+        parts = await open_parts(settings)  # store, accounts, admission, ledger (wiring.py)
         upstream = Upstream(settings.connect_timeout_s, settings.request_timeout_s)
         await upstream.start()
         router = Router(catalog, upstream, settings.backend_retry_s)
         await router.probe_all()
         await router.start()
-        gateway = Gateway(settings, catalog, accounts, MemoryAdmission(settings.limits), ledger, upstream, router)
+        gateway = Gateway(settings, catalog, parts.accounts, parts.admission, parts.ledger, upstream, router)
         app.state.gateway = gateway
-        # Several gateways on one database: take each other's key and limit changes every few seconds.
-        refresher = asyncio.create_task(accounts.refresh_forever(settings.refresh_s)) if store.shared else None
+        await start_propagation(parts, settings, gateway.maintenance)
         if on_ready is not None:
             result = on_ready(gateway)
             if hasattr(result, "__await__"):
@@ -213,13 +212,9 @@ def create_app(settings: Settings, catalog: Catalog, on_ready: Callable[[Gateway
         try:
             yield
         finally:
-            if refresher is not None:
-                refresher.cancel()
-                await asyncio.gather(refresher, return_exceptions=True)
             await router.stop()
-            await ledger.stop()
+            await close_parts(parts)
             await upstream.close()
-            await store.close()
 
     routes = [
         Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),

@@ -33,7 +33,7 @@ from kiln.core.clock import CLOCK
 from kiln.core.admission import AdmissionControl, Demand, Ticket
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
-from kiln.core.ledger import Ledger, new_generation_id
+from kiln.core.ledger import LEDGER_UNAVAILABLE, Ledger, new_generation_id
 from kiln.core.records import ApiKey, UsageEvent
 from kiln.http import StreamResponse, Write, read_body, wait_disconnect
 from kiln.protocols.base import Translator
@@ -123,6 +123,8 @@ class Gateway:
             upstream_body = tr.request(body)
             if self.maintenance.active:
                 raise self.maintenance.error()
+            if self.ledger.degraded:  # usage could not be recorded: refuse before any work is done
+                raise self.ledger.unavailable()
             generation_id = new_generation_id()
             ticket = await self.admission.admit(
                 key, self.accounts.org(key.org_id), _demand(tr, upstream_body, len(raw)), generation_id
@@ -293,7 +295,8 @@ class Gateway:
             else:
                 log.exception("malformed stream from %s", call.backend.url if call.backend else "?")
                 err, status = errors.bad_gateway("The model backend sent a malformed stream."), "error"
-            await self._meter(call, status=status)
+            if err.code != LEDGER_UNAVAILABLE:  # else the stream's event is queued already
+                await self._meter(call, status=status)
             await write(tr.stream_error(err))
         finally:
             resp.close()  # cancels the generation on the backend if it is still running

@@ -7,11 +7,11 @@ key takes effect on the next request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
 from datetime import datetime, timezone
+from typing import Awaitable, Callable
 
 from kiln.core import errors
 from kiln.core.clock import CLOCK
@@ -103,8 +103,14 @@ def _id(prefix: str) -> str:
 
 
 class Accounts:
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, take_balances: bool = False) -> None:
         self.store = store
+        # Shared admission (Redis) decides on balances itself: this cache only shows them, and takes
+        # the committed ones from the database on refresh. In-process admission decides on these.
+        self.take_balances = take_balances
+        self.database_ok = True  # the last refresh could read the database: an unknown key is really unknown
+        # Called with {org_id: (credits, version)} after a top-up here (shared admission takes it at once).
+        self.on_credits: Callable[[dict[str, tuple[int, int]]], Awaitable[None]] | None = None
         self.orgs: dict[str, Org] = {}
         self.projects: dict[str, Project] = {}
         self.keys: dict[str, ApiKey] = {}  # by id
@@ -133,9 +139,14 @@ class Accounts:
 
     async def refresh(self) -> None:
         """Take what other gateways changed in a shared database: new organisations, projects
-        and keys, key status, limits and expiry. Balances stay this process's own (admission
-        across replicas is a shared-state concern, not a cache one)."""
-        snap = await self.store.load(None)
+        and keys, key status, limits and expiry (and, with shared admission, the committed
+        balances). With in-process admission balances stay this process's own."""
+        try:
+            snap = await self.store.load(None)
+        except Exception:
+            self.database_ok = False
+            raise
+        self.database_ok = True
         month = month_of(CLOCK.time())
         for org in snap.orgs:
             mine = self.orgs.get(org.id)
@@ -145,6 +156,8 @@ class Accounts:
             else:
                 for name in _ORG_SETTINGS:
                     setattr(mine, name, getattr(org, name))
+                if self.take_balances:
+                    mine.credits_nano = org.credits_nano
         for project in snap.projects:
             self.projects.setdefault(project.id, project)
         for key in snap.keys:
@@ -155,15 +168,8 @@ class Accounts:
             else:
                 for name in _KEY_SETTINGS:
                     setattr(mine, name, getattr(key, name))
-
-    async def refresh_forever(self, every_s: float) -> None:
-        """Refresh from a shared database on a timer; a failed round is logged and retried."""
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                await self.refresh()
-            except Exception:
-                log.exception("refreshing keys and organisations from the database failed")
+                if self.take_balances:
+                    mine.spend_nano = key.spend_nano
 
     # -- the hot path -------------------------------------------------------
 
@@ -172,9 +178,13 @@ class Accounts:
         return self._by_hash.get(hash_key(token))
 
     def authenticate(self, token: str) -> ApiKey:
-        """The key for a presented token, or 401/403 per the contract."""
+        """The key for a presented token, or 401/403 per the contract; 503 for a key this process
+        has not seen while the database cannot be asked (it may be a new, valid one)."""
         key = self._by_hash.get(hash_key(token))
         if key is None:
+            if not self.database_ok:
+                raise errors.unavailable("The gateway cannot check this API key right now (its database is"
+                                         " unreachable); retry shortly.", headers={"Retry-After": "5"})
             raise errors.unauthorized("Invalid API key.")
         if key.expires_at is not None and key.expires_at <= CLOCK.time():
             raise errors.unauthorized("This API key has expired.")
@@ -225,7 +235,9 @@ class Accounts:
 
     async def add_credits(self, org_id: str, amount_nano: int, note: str = "") -> Org:
         org = self.org(org_id)
-        org.credits_nano = await self.store.add_credits(org_id, amount_nano, note)
+        org.credits_nano, version = await self.store.add_credits(org_id, amount_nano, note)
+        if self.on_credits is not None:
+            await self.on_credits({org_id: (org.credits_nano, version)})
         return org
 
     async def create_project(self, org_id: str, name: str) -> Project:
