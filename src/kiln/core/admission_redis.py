@@ -304,7 +304,7 @@ class RedisAdmission:
             for (gen, lease), epoch in zip(chunk, epochs):
                 if epoch:
                     lease.epoch = epoch
-                elif not lease.loaded and not lease.settled and gen in self._live:
+                elif not lease.loaded and not lease.ticket.released and gen in self._live:
                     lease.loaded = True  # Redis lost its organisation: load it, re-register next round
                     await self._load(lease.org, lease.key, None)
                     self._wake.set()

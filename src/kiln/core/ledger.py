@@ -207,8 +207,7 @@ class Ledger:
         self.dead_letter_file.parent.mkdir(parents=True, exist_ok=True)
         with self.dead_letter_file.open("ab") as f:
             for event in events:
-                f.write(orjson.dumps({"at": time.time(), "error": reason, "event": orjson.Fragment(event_json(event))})
-                        + b"\n")
+                f.write(b'{"at":%f,"error":%s,"event":%s}\n' % (time.time(), orjson.dumps(reason), event_json(event)))
             f.flush()
             os.fsync(f.fileno())
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
 
-import orjson
+import json
 
 from kiln.core.records import ApiKey, Org, Project, UsageEvent
 
@@ -42,12 +42,13 @@ def usage_rows(events: list[UsageEvent]) -> list[tuple[Any, ...]]:
 
 
 def event_json(event: UsageEvent) -> bytes:
-    """An event as one JSON line (the spool and the dead-letter records)."""
-    return orjson.dumps(asdict(event))
+    """An event as one JSON line (the spool and the dead-letter records). The standard library's
+    encoder: it writes any integer, also the absurd ones that get an event set aside."""
+    return json.dumps(asdict(event), separators=(",", ":")).encode()
 
 
 def event_from_json(raw: bytes | str) -> UsageEvent:
-    return UsageEvent(**orjson.loads(raw))
+    return UsageEvent(**json.loads(raw))
 
 
 def cost_by_owner(events: list[UsageEvent]) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:

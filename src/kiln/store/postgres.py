@@ -43,9 +43,9 @@ MIGRATIONS = migrations("postgres")
 log = logging.getLogger("kiln.store")
 
 _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
-# Failures of the server or the way to it (retry later), as opposed to data it refused.
-_UNAVAILABLE = (OSError, asyncio.TimeoutError, asyncpg.PostgresConnectionError, asyncpg.InsufficientResourcesError,
-                asyncpg.OperatorInterventionError, asyncpg.ReadOnlySQLTransactionError)
+# Data the server (or asyncpg, encoding it) refused: the only failures that set an event aside.
+# Anything else (connections, shutdowns, a full disk, client state) is the store's, retried.
+_REFUSED_DATA = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError, ValueError, TypeError, OverflowError)
 _USAGE_TYPES = ("text", "float8", "text", "text", "text", "text", "text", "int8", "int8", "int8", "int8", "int8",
                 "text", "bool", "float8", "float8")
 _INSERT_USAGE = (
@@ -101,9 +101,8 @@ class PostgresStore:
             await conn.close()
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        if isinstance(exc, asyncpg.exceptions._base.DataError):  # a value asyncpg cannot send
-            return False
-        return isinstance(exc, (*_UNAVAILABLE, asyncpg.InterfaceError))
+        # asyncpg's client-side DataError (a value it cannot encode) is a ValueError.
+        return not isinstance(exc, _REFUSED_DATA)
 
     async def close(self) -> None:
         if self.pool is not None:

@@ -107,8 +107,9 @@ class SQLiteStore:
         return self._applied
 
     def is_unavailable(self, exc: BaseException) -> bool:
-        """Disk full, I/O error, locked or read-only: the file cannot take writes now."""
-        return isinstance(exc, (sqlite3.OperationalError, OSError)) or type(exc) is sqlite3.DatabaseError
+        """Anything but refused data (disk full, I/O error, locked, read-only): retried."""
+        return not isinstance(exc, (sqlite3.IntegrityError, sqlite3.DataError, sqlite3.InterfaceError,
+                                    ValueError, TypeError, OverflowError))
 
     async def close(self) -> None:
         if self._checkpointer is not None:
