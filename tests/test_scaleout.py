@@ -226,12 +226,16 @@ def test_changes_reach_every_replica_within_a_second(cluster: Cluster) -> None:
     body = {"model": "qwen3-32b", "messages": MSG, "max_tokens": 3}
 
     def statuses() -> set[int]:
-        out = set()
-        for url in cluster.urls:
-            for _ in range(4):  # new connections: each replica's workers
-                out.add(httpx.post(url + "/v1/chat/completions", json=body, timeout=10,
-                                   headers={"Authorization": f"Bearer {t.key}"}).status_code)
-        return out
+        """Four requests to each replica at once, on new connections (so: to each of its workers)."""
+        async def probe() -> set[int]:
+            cs = clients(cluster, t.key)
+            try:
+                answers = await asyncio.gather(*(c.post("/v1/chat/completions", json=body) for c in cs * 4))
+            finally:
+                await asyncio.gather(*(c.aclose() for c in cs))
+            return {r.status_code for r in answers}
+
+        return asyncio.run(probe())
 
     assert statuses() == {402}
     started = time.monotonic()

@@ -246,6 +246,10 @@ class RedisAdmission:
             self._down(exc)
             raise errors.unavailable("The gateway cannot reach its admission store (Redis); retry shortly.",
                                      headers={"Retry-After": RETRY_AFTER_S}) from None
+        except redis_errors.RedisError:  # e.g. a script error, Redis out of memory: fail closed too
+            log.exception("Redis refused %s", function)
+            raise errors.unavailable("The gateway's admission store (Redis) refused the request; retry shortly.",
+                                     headers={"Retry-After": RETRY_AFTER_S}) from None
         if not self.reachable:
             log.warning("Redis answers again")
             self.reachable = True

@@ -67,6 +67,7 @@ class Ledger:
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._flush = asyncio.Event()
+        self._spool_lock = asyncio.Lock()  # an append (in a thread) and a rotation never overlap
         self._logged_at = 0.0
 
     async def start(self) -> None:
@@ -227,7 +228,8 @@ class Ledger:
 
     async def _spool(self, events: list[UsageEvent]) -> None:
         assert self.spool is not None
-        await asyncio.get_running_loop().run_in_executor(None, self.spool.append, events)
+        async with self._spool_lock:
+            await asyncio.get_running_loop().run_in_executor(None, self.spool.append, events)
         self.stats["spooled"] += len(events)
         self._flush.set()
 
@@ -242,7 +244,9 @@ class Ledger:
                 pass
             self._flush.clear()
             try:
-                for segment in self.spool.rotate():
+                async with self._spool_lock:
+                    segments = self.spool.rotate()
+                for segment in segments:
                     events = self.spool.read(segment)
                     for start in range(0, len(events), MAX_BATCH):
                         await self._commit(events[start:start + MAX_BATCH])
