@@ -252,7 +252,15 @@ def _endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaita
                         raise errors.invalid("The request body is not valid JSON.") from None
                     if not isinstance(body, dict):
                         raise errors.invalid("The request body must be a JSON object.")
-            return _json(await handler(request, gw, body), status)
+            try:
+                return _json(await handler(request, gw, body), status)
+            except GatewayError as err:
+                if err.status != 404 or not gw.accounts.store.shared:
+                    raise
+                # Another process may have made it a moment ago (before its notice arrived here):
+                # take the database's view, then try once more. Every 404 comes before any write.
+                await gw.accounts.refresh()
+                return _json(await handler(request, gw, body), status)
         except GatewayError as err:
             reply = openai_error(err)
             return Response(reply.body, status_code=reply.status, media_type=reply.media_type)

@@ -50,7 +50,7 @@ async def open_parts(settings: Settings) -> Parts:
         spool.open()
     admission: AdmissionControl
     if shared_admission:
-        from kiln.core.admission_redis import RedisAdmission  # redis is an optional dependency
+        from kiln.core.admission_redis import RedisAdmission  # hiredis is an optional dependency
 
         redis_admission = RedisAdmission(settings.redis_url, settings.limits, store, settings.redis_prefix)
         accounts.on_credits = redis_admission.push_balances

@@ -40,9 +40,6 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from redis import exceptions as redis_errors
-from redis.asyncio import BlockingConnectionPool, Redis
-
 from kiln.config import Limits
 from kiln.core import errors
 from kiln.core.accounts import charge, month_start, period_start
@@ -52,6 +49,7 @@ from kiln.core.admission import (
 from kiln.core.admission_lua import LIBRARY
 from kiln.core.clock import CLOCK
 from kiln.core.records import ApiKey, Org, UsageEvent
+from kiln.core.resp import RedisError, Resp
 from kiln.store.base import CreditBalances, Store
 
 log = logging.getLogger("kiln.admission")
@@ -60,7 +58,7 @@ LEASE_TTL_S = 10.0
 RENEW_EVERY_S = 2.0
 SWEEP_EVERY_S = 1.0
 RETRY_AFTER_S = "2"
-_UNREACHABLE = (redis_errors.ConnectionError, redis_errors.TimeoutError, OSError)
+_UNREACHABLE = (ConnectionError, OSError, asyncio.TimeoutError)
 
 
 @dataclass(slots=True)
@@ -84,9 +82,7 @@ def _limit(value: int | None) -> int:
 
 class RedisAdmission:
     def __init__(self, url: str, defaults: Limits, store: Store, prefix: str = "kiln") -> None:
-        pool = BlockingConnectionPool.from_url(url, max_connections=64, timeout=2.0, socket_timeout=2.0,
-                                               socket_connect_timeout=2.0, decode_responses=True)
-        self.redis = Redis(connection_pool=pool)
+        self.redis = Resp(url)
         self.defaults = defaults
         self.store = store
         self.prefix = prefix
@@ -120,7 +116,7 @@ class RedisAdmission:
         except errors.GatewayError:
             log.error("%d settles never reached Redis; their leases expire and are billed as lost",
                       len(self._unsettled))
-        await self.redis.aclose()
+        await self.redis.close()
 
     # -- the four calls -------------------------------------------------------
 
@@ -236,17 +232,17 @@ class RedisAdmission:
     async def _call(self, function: str, *args: object) -> Any:
         try:
             try:
-                result = await self.redis.fcall(function, 1, self.prefix, *args)
-            except redis_errors.ResponseError as exc:
+                result = await self.redis.call("FCALL", function, 1, self.prefix, *args)
+            except RedisError as exc:
                 if "function not found" not in str(exc).lower():
                     raise
                 await self._load_library()  # Redis restarted, or a new one
-                result = await self.redis.fcall(function, 1, self.prefix, *args)
+                result = await self.redis.call("FCALL", function, 1, self.prefix, *args)
         except _UNREACHABLE as exc:
             self._down(exc)
             raise errors.unavailable("The gateway cannot reach its admission store (Redis); retry shortly.",
                                      headers={"Retry-After": RETRY_AFTER_S}) from None
-        except redis_errors.RedisError:  # e.g. a script error, Redis out of memory: fail closed too
+        except RedisError:  # e.g. a script error, Redis out of memory: fail closed too
             log.exception("Redis refused %s", function)
             raise errors.unavailable("The gateway's admission store (Redis) refused the request; retry shortly.",
                                      headers={"Retry-After": RETRY_AFTER_S}) from None
@@ -257,7 +253,7 @@ class RedisAdmission:
         return result
 
     async def _load_library(self) -> None:
-        await self.redis.function_load(LIBRARY, replace=True)
+        await self.redis.call("FUNCTION", "LOAD", "REPLACE", LIBRARY)
 
     def _down(self, exc: BaseException) -> None:
         if self.reachable:
@@ -267,8 +263,12 @@ class RedisAdmission:
     async def _load(self, org: Org, key: ApiKey, now: float | None) -> None:
         """Load one organisation's and key's committed balances from the database into Redis."""
         if now is None:
-            seconds, micros = await self.redis.time()
-            now = seconds + micros / 1e6 + CLOCK.offset
+            try:
+                seconds, micros = await self.redis.call("TIME")
+            except _UNREACHABLE:
+                raise errors.unavailable("The gateway cannot reach its admission store (Redis); retry shortly.",
+                                         headers={"Retry-After": RETRY_AFTER_S}) from None
+            now = int(seconds) + int(micros) / 1e6 + CLOCK.offset
         since = None if key.spend_reset == "never" else period_start(key.spend_reset, now)
         try:
             b = await self.store.balances(org.id, key.id, month_start(now), since)

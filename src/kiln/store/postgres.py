@@ -33,7 +33,6 @@ from kiln.store.base import (
     USAGE_COLUMNS,
     Snapshot,
     check_updatable,
-    cost_by_owner,
     event_json,
     usage_rows,
 )
@@ -48,10 +47,21 @@ _SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
 _REFUSED_DATA = (asyncpg.DataError, asyncpg.IntegrityConstraintViolationError, ValueError, TypeError, OverflowError)
 _USAGE_TYPES = ("text", "float8", "text", "text", "text", "text", "text", "int8", "int8", "int8", "int8", "int8",
                 "text", "bool", "float8", "float8")
-_INSERT_USAGE = (
-    f"INSERT INTO usage_events ({USAGE_COLUMNS}) SELECT * FROM unnest("
+# One statement, so one round trip and one implicit transaction: insert the events not there yet,
+# then move the balances by what was inserted (organisations locked in id order: no deadlocks).
+_RECORD_USAGE = (
+    f"WITH ins AS (INSERT INTO usage_events ({USAGE_COLUMNS}) SELECT * FROM unnest("
     + ", ".join(f"${i}::{t}[]" for i, t in enumerate(_USAGE_TYPES, start=1))
-    + ") ON CONFLICT (id) DO NOTHING RETURNING org_id, key_id, cost_nano"
+    + ") ON CONFLICT (id) DO NOTHING RETURNING org_id, key_id, cost_nano),"
+    " org_cost AS (SELECT org_id, SUM(cost_nano) AS cost FROM ins GROUP BY org_id HAVING SUM(cost_nano) <> 0),"
+    " key_cost AS (SELECT key_id, SUM(cost_nano) AS cost FROM ins GROUP BY key_id HAVING SUM(cost_nano) <> 0),"
+    " locked AS MATERIALIZED (SELECT id FROM orgs WHERE id IN (SELECT org_id FROM org_cost) ORDER BY id FOR UPDATE),"
+    " moved AS (UPDATE orgs SET credits_nano = orgs.credits_nano - org_cost.cost,"
+    " credits_version = orgs.credits_version + 1 FROM org_cost, locked"
+    " WHERE orgs.id = org_cost.org_id AND locked.id = orgs.id RETURNING orgs.id, orgs.credits_nano, orgs.credits_version),"
+    " spent AS (UPDATE api_keys SET spend_nano = api_keys.spend_nano + key_cost.cost FROM key_cost"
+    " WHERE api_keys.id = key_cost.key_id RETURNING 1)"
+    " SELECT id, credits_nano, credits_version FROM moved"
 )
 
 
@@ -174,23 +184,8 @@ class PostgresStore:
         await self._update("api_keys", KEY_UPDATABLE, key_id, fields)
 
     async def record_usage(self, events: list[UsageEvent]) -> CreditBalances:
-        columns = list(zip(*usage_rows(events)))
-        moved: CreditBalances = {}
-        async with self._pool.acquire() as conn, conn.transaction():
-            inserted = await conn.fetch(_INSERT_USAGE, *columns)
-            org_cost, key_cost = cost_by_owner([
-                UsageEvent("", 0.0, r[0], "", r[1], "", "", cost_nano=r[2]) for r in inserted
-            ])
-            for cost, org_id in org_cost:
-                row = await conn.fetchrow(
-                    "UPDATE orgs SET credits_nano = credits_nano - $1, credits_version = credits_version + 1"
-                    " WHERE id = $2 RETURNING credits_nano, credits_version", cost, org_id,
-                )
-                if row is not None:
-                    moved[org_id] = (int(row[0]), int(row[1]))
-            if key_cost:
-                await conn.executemany("UPDATE api_keys SET spend_nano = spend_nano + $1 WHERE id = $2", key_cost)
-        return moved
+        rows = await self._pool.fetch(_RECORD_USAGE, *zip(*usage_rows(events)))
+        return {r[0]: (int(r[1]), int(r[2])) for r in rows}
 
     async def dead_letter(self, event: UsageEvent, error: str) -> None:
         await self._pool.execute(
