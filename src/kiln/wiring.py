@@ -62,7 +62,8 @@ async def open_parts(settings: Settings) -> Parts:
         admission = MemoryAdmission(settings.limits)
     ledger = Ledger(store, wait_s=settings.ledger_wait_s, spool=spool,
                     dead_letter_file=settings.data_dir / "dead-letters.jsonl",
-                    on_commit=redis_admission.committed if shared_admission else None)
+                    on_commit=redis_admission.committed if shared_admission else None,
+                    on_balances=accounts.take_credits if shared_admission else None)
     parts = Parts(store, accounts, admission, ledger)
     await ledger.start()
     if shared_admission:

@@ -111,6 +111,7 @@ class Accounts:
         self.database_ok = True  # the last refresh could read the database: an unknown key is really unknown
         # Called with {org_id: (credits, version)} after a top-up here (shared admission takes it at once).
         self.on_credits: Callable[[dict[str, tuple[int, int]]], Awaitable[None]] | None = None
+        self._credit_versions: dict[str, int] = {}
         self.orgs: dict[str, Org] = {}
         self.projects: dict[str, Project] = {}
         self.keys: dict[str, ApiKey] = {}  # by id
@@ -137,10 +138,19 @@ class Accounts:
         stored = await self.store.get_meta(ADMIN_HASH_META)
         self._admin_hashes = [stored] if stored else []
 
+    def take_credits(self, balances: dict[str, tuple[int, int]]) -> None:
+        """Committed credit balances (from a commit, a top-up or the poll), each taken only if newer
+        than the one shown: with shared admission, credits here are for display."""
+        for org_id, (credits, version) in balances.items():
+            org = self.orgs.get(org_id)
+            if org is not None and version > self._credit_versions.get(org_id, -1):
+                org.credits_nano = credits
+                self._credit_versions[org_id] = version
+
     async def refresh(self) -> None:
         """Take what other gateways changed in a shared database: new organisations, projects
-        and keys, key status, limits and expiry (and, with shared admission, the committed
-        balances). With in-process admission balances stay this process's own."""
+        and keys, key status, limits and expiry (and, with shared admission, key spend).
+        With in-process admission balances stay this process's own."""
         try:
             snap = await self.store.load(None)
         except Exception:
@@ -156,8 +166,6 @@ class Accounts:
             else:
                 for name in _ORG_SETTINGS:
                     setattr(mine, name, getattr(org, name))
-                if self.take_balances:
-                    mine.credits_nano = org.credits_nano
         for project in snap.projects:
             self.projects.setdefault(project.id, project)
         for key in snap.keys:
@@ -235,7 +243,11 @@ class Accounts:
 
     async def add_credits(self, org_id: str, amount_nano: int, note: str = "") -> Org:
         org = self.org(org_id)
-        org.credits_nano, version = await self.store.add_credits(org_id, amount_nano, note)
+        credits, version = await self.store.add_credits(org_id, amount_nano, note)
+        if self.take_balances:
+            self.take_credits({org_id: (credits, version)})
+        else:
+            org.credits_nano = credits
         if self.on_credits is not None:
             await self.on_credits({org_id: (org.credits_nano, version)})
         return org

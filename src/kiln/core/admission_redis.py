@@ -42,7 +42,7 @@ from typing import Any
 
 from kiln.config import Limits
 from kiln.core import errors
-from kiln.core.accounts import charge, month_start, period_start
+from kiln.core.accounts import charge, month_start, period_start, roll_periods
 from kiln.core.admission import (
     OUTPUT_BLOCK, Demand, Ticket, concurrency_error, count_error, payment_error, rate_error, rate_headers,
 )
@@ -93,6 +93,7 @@ class RedisAdmission:
         self._seen = False  # this process admitted through this Redis state before
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._loading: dict[tuple[str, str], asyncio.Future[None]] = {}
 
     async def start(self) -> None:
         try:
@@ -173,7 +174,11 @@ class RedisAdmission:
         if ticket.released:
             return
         ticket.released = True
-        charge(org, key, cost_nano, CLOCK.time())  # the local caches' view, for display
+        # The local caches, for display: month and key spend now; credits as committed (Accounts.take_credits).
+        now = CLOCK.time()
+        roll_periods(org, None, now)
+        org.month_spend_nano += cost_nano
+        charge(None, key, cost_nano, now)
         try:
             await self._call("kiln_v1_settle", CLOCK.offset, ticket.generation_id, cost_nano, tokens)
         except errors.GatewayError:
@@ -261,7 +266,15 @@ class RedisAdmission:
         self.reachable = False
 
     async def _load(self, org: Org, key: ApiKey, now: float | None) -> None:
-        """Load one organisation's and key's committed balances from the database into Redis."""
+        """Load one organisation's and key's committed balances from the database into Redis; a
+        burst of first requests shares one load."""
+        pending = self._loading.get((org.id, key.id))
+        if pending is None:
+            pending = self._loading[(org.id, key.id)] = asyncio.ensure_future(self._load_once(org, key, now))
+            pending.add_done_callback(lambda _: self._loading.pop((org.id, key.id), None))
+        await asyncio.shield(pending)
+
+    async def _load_once(self, org: Org, key: ApiKey, now: float | None) -> None:
         if now is None:
             try:
                 seconds, micros = await self.redis.call("TIME")

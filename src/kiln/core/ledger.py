@@ -53,12 +53,14 @@ def new_generation_id() -> str:
 
 class Ledger:
     def __init__(self, store: Store, *, wait_s: float = 10.0, spool: Spool | None = None,
-                 dead_letter_file: Path | None = None, on_commit: OnCommit | None = None) -> None:
+                 dead_letter_file: Path | None = None, on_commit: OnCommit | None = None,
+                 on_balances: Callable[[CreditBalances], None] | None = None) -> None:
         self.store = store
         self.wait_s = wait_s
         self.spool = spool
         self.dead_letter_file = dead_letter_file
-        self.on_commit = on_commit
+        self.on_commit = on_commit  # told of each commit, after it (shared admission)
+        self.on_balances = on_balances  # given the balances a commit moved, before its requests go on
         self.failing_since: float | None = None  # monotonic time the writes started failing
         self.failure = ""  # why, for /health and the log
         self.stats = {"committed": 0, "spooled": 0, "dead_lettered": 0, "failed_writes": 0}
@@ -178,6 +180,8 @@ class Ledger:
             await self._commit(events[mid:])
             return
         self.stats["committed"] += len(events)
+        if self.on_balances is not None and moved:
+            self.on_balances(moved)
         if self.on_commit is not None:
             task = asyncio.ensure_future(self._report(events, moved))
             self._background.add(task)

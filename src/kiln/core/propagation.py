@@ -82,5 +82,7 @@ class Propagation:
     async def refresh(self) -> None:
         await self.accounts.refresh()
         await load_maintenance(self.store, self.maintenance)
-        if self.push_balances is not None:
-            await self.push_balances(await self.store.credit_balances())
+        if self.push_balances is not None:  # shared admission: committed balances to Redis and the caches
+            balances = await self.store.credit_balances()
+            self.accounts.take_credits(balances)
+            await self.push_balances(balances)
