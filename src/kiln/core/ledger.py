@@ -28,6 +28,7 @@ import logging
 import os
 import random
 import time
+from collections import deque
 from pathlib import Path
 from typing import Awaitable, Callable
 
@@ -64,8 +65,12 @@ class Ledger:
         self.failing_since: float | None = None  # monotonic time the writes started failing
         self.failure = ""  # why, for /health and the log
         self.stats = {"committed": 0, "spooled": 0, "dead_lettered": 0, "failed_writes": 0}
-        self._queue: asyncio.Queue[tuple[UsageEvent, asyncio.Future[None]]] = asyncio.Queue()
-        self._current: list[UsageEvent] = []
+        # Queued events with their futures and when they were queued (the bound on waiting).
+        self._queue: deque[tuple[UsageEvent, asyncio.Future[None], float]] = deque()
+        self._batch: list[tuple[UsageEvent, asyncio.Future[None], float]] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[None]] = set()
         self._flush = asyncio.Event()
@@ -73,7 +78,8 @@ class Ledger:
         self._logged_at = 0.0
 
     async def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._run(), name="kiln-ledger")]
+        self._tasks = [asyncio.create_task(self._run(), name="kiln-ledger"),
+                       asyncio.create_task(self._bound_waits(), name="kiln-ledger-waits")]
         if self.spool is not None:
             self._tasks.append(asyncio.create_task(self._flush_forever(), name="kiln-ledger-spool"))
             self._flush.set()  # a spool left by an earlier run is written first
@@ -84,9 +90,9 @@ class Ledger:
         if not self._tasks:
             return
         try:
-            await asyncio.wait_for(self._queue.join(), STOP_TIMEOUT_S)
+            await asyncio.wait_for(self._idle.wait(), STOP_TIMEOUT_S)
         except TimeoutError:
-            left = self._current + [self._queue.get_nowait()[0] for _ in range(self._queue.qsize())]
+            left = [e for e, _, _ in self._batch] + [e for e, _, _ in self._queue]
             log.error("ledger stopping with %d events the store did not take: %s", len(left), self.failure)
             self._keep(left)
         for task in self._tasks:
@@ -107,36 +113,49 @@ class Ledger:
             "overloaded_error", LEDGER_UNAVAILABLE, headers={"Retry-After": "5"})
 
     def submit(self, event: UsageEvent) -> asyncio.Future[None]:
-        """Queue an event; the future resolves once it is committed."""
+        """Queue an event; the future resolves once it is durable, or fails with a 503 once it
+        waited `wait_s` for a store that cannot write (the event stays queued)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((event, fut))
+        self._queue.append((event, fut, time.monotonic()))
+        self._idle.clear()
+        self._wake.set()
         return fut
 
     async def record(self, event: UsageEvent) -> None:
-        """Queue an event and wait until it is durable, at most `wait_s` (then 503: the event
-        stays queued and is written once the store works again).
+        """Queue an event and wait until it is durable (at most `wait_s`, then a 503).
 
         Shielded: a client that goes away mid-wait does not cancel the commit.
         """
-        try:
-            await asyncio.wait_for(asyncio.shield(self.submit(event)), self.wait_s)
-        except TimeoutError:
-            raise self.unavailable() from None
+        await asyncio.shield(self.submit(event))
 
     # -- the writer ------------------------------------------------------------------
 
     async def _run(self) -> None:
         while True:
-            batch = [await self._queue.get()]
-            while len(batch) < MAX_BATCH and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            self._current = [e for e, _ in batch]
-            await self._write(self._current)
-            self._current = []
-            for _, fut in batch:
+            if not self._queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            n = min(len(self._queue), MAX_BATCH)
+            self._batch = [self._queue.popleft() for _ in range(n)]
+            await self._write([e for e, _, _ in self._batch])
+            for _, fut, _ in self._batch:
                 if not fut.done():
                     fut.set_result(None)
-                self._queue.task_done()
+            self._batch = []
+
+    async def _bound_waits(self) -> None:
+        """While the store cannot write, fail the waits that passed `wait_s` (one timer for all,
+        not one per request); their events stay queued."""
+        while True:
+            await asyncio.sleep(min(self.wait_s / 4, 0.5))
+            if self.failing_since is None:
+                continue
+            limit = time.monotonic() - self.wait_s
+            for _, fut, queued in (*self._batch, *self._queue):
+                if queued < limit and not fut.done():
+                    fut.set_exception(self.unavailable())
 
     async def _write(self, events: list[UsageEvent]) -> None:
         """Make the events durable: in the store, else in the spool; retry while neither works."""
