@@ -88,11 +88,28 @@ url = "{sim_url}/v1"
     return url, proc
 
 
+def gateway_pids(proc: subprocess.Popen[bytes] | None) -> list[int]:
+    """The gateway and its workers (the children of a --workers parent)."""
+    if proc is None:
+        return []
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == proc.pid:
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return [proc.pid, *children]
+
+
 def measure(load: Any, url: str, key: str, body: dict[str, Any], conc: int, a: argparse.Namespace,
-            cpu: int | None) -> run.Result:
+            cpu: int | None, proc: subprocess.Popen[bytes] | None = None) -> run.Result:
     if a.warmup > 0:
         load(url, body, key, conc, a.warmup, cpu)
+    pids = gateway_pids(proc)
+    before = sum(run.cpu_seconds(pid) for pid in pids)
     res = load(url, body, key, conc, a.duration, cpu)
+    res.gateway_cpu_us = (sum(run.cpu_seconds(pid) for pid in pids) - before) * 1e6 / max(res.requests, 1)
     if res.errors:
         raise run.BenchError(f"{url} c={conc}: {res.errors} failed requests")
     return res
@@ -143,15 +160,16 @@ def main() -> int:
                 _, key = run.create_tenant(url)
                 run.check_responses(url, key)
                 for c in levels:
-                    rows[(name, c)] = res = measure(load, url + "/v1/chat/completions", key, body, c, a, load_cpu)
+                    rows[(name, c)] = res = measure(load, url + "/v1/chat/completions", key, body, c, a, load_cpu,
+                                                    proc)
                     print(f"  {name:12} c={c:<3} {res.rps:7,.0f} rps  p50 {res.p50_ms:6.2f} ms  "
-                          f"p99 {res.p99_ms:6.2f} ms", flush=True)
-    print(f"\n| setup | c | rps | p50 ms | p99 ms | added p50 ms | added p99 ms | rps vs memory |")
-    print("|---|--:|--:|--:|--:|--:|--:|--:|")
+                          f"p99 {res.p99_ms:6.2f} ms  {res.gateway_cpu_us:5.0f} µs CPU/req", flush=True)
+    print("\n| setup | c | rps | p50 ms | p99 ms | added p50 ms | added p99 ms | rps vs memory | gateway CPU µs/req |")
+    print("|---|--:|--:|--:|--:|--:|--:|--:|--:|")
     for (name, c), r in rows.items():
         d, base = direct[c], rows[("memory", c)]
         print(f"| {name} | {c} | {r.rps:,.0f} | {r.p50_ms:.2f} | {r.p99_ms:.2f} | {r.p50_ms - d.p50_ms:+.2f} | "
-              f"{r.p99_ms - d.p99_ms:+.2f} | {r.rps / base.rps:.2f} |")
+              f"{r.p99_ms - d.p99_ms:+.2f} | {r.rps / base.rps:.2f} | {r.gateway_cpu_us:,.0f} |")
     top = max(levels)
     share = rows[("redis+pg", top)].rps / rows[("memory", top)].rps
     scaling = rows[("redis+pg x2", top)].rps / rows[("redis+pg", top)].rps
@@ -159,6 +177,9 @@ def main() -> int:
           + ", ".join(f"c={c} {d.rps:,.0f} rps p50 {d.p50_ms:.2f} ms" for c, d in direct.items()))
     print(f"- load generator: {'wrk' if wrk else 'aiohttp'}; {a.duration:g} s per cell after {a.warmup:g} s warm-up")
     print(f"- {pin_note}; two workers: taskset on both CPUs; 1-min load average before: {load_before:.2f}")
+    cpu_share = rows[("memory", top)].gateway_cpu_us / rows[("redis+pg", top)].gateway_cpu_us
+    print(f"- CPU per request, c={top}: in-process admission / RedisAdmission + PostgreSQL = {cpu_share:.2f}"
+          " (the rps share a CPU-bound worker would reach; less sensitive to a loaded machine)")
     print(f"- RedisAdmission + PostgreSQL, 1 worker, c={top}: {share:.2f} of in-process admission's rps "
           f"(target >= {TARGET_REDIS_SHARE:.2f}): {'OK' if share >= TARGET_REDIS_SHARE else 'MISS'}")
     print(f"- 2 workers over 1 (Redis + PostgreSQL), c={top}: {scaling:.2f}x (target >= {TARGET_SCALING:.1f}x): "

@@ -359,6 +359,7 @@ def test_redis_restart_under_load_fails_closed_then_holds_the_budget(cluster: Cl
         marks["down"] = time.monotonic()
         await asyncio.to_thread(cluster.redis.stop)
         await asyncio.sleep(3)
+        marks["health_down"] = httpx.get(cluster.urls[2] + "/health", timeout=5).status_code
         await asyncio.to_thread(cluster.redis.start)
         marks["up"] = time.monotonic()
         cluster.sim.reset()
@@ -367,6 +368,9 @@ def test_redis_restart_under_load_fails_closed_then_holds_the_budget(cluster: Cl
         return await load
 
     seen = asyncio.run(scenario())
+    assert marks["health_down"] == 503, "/health says degraded while Redis is away"
+    for url in cluster.urls:
+        wait_for(lambda: httpx.get(url + "/health", timeout=5).status_code == 200, timeout=10, what="health ok")
     outage = [s for s in seen if marks["down"] + 0.5 < s[0] < marks["up"]]
     after = [s for s in seen if s[0] > marks["up"] + 4]
     assert {s[1] for s in seen} <= {200, 402, 429, 503}, sorted({(s[1], s[2]) for s in seen})

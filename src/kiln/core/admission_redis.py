@@ -257,6 +257,14 @@ class RedisAdmission:
             self._wake.set()  # renew and re-register at once
         return result
 
+    async def _probe(self) -> None:
+        try:
+            await self.redis.call("PING")
+        except _UNREACHABLE:
+            return
+        log.warning("Redis answers again")
+        self.reachable = True
+
     async def _load_library(self) -> None:
         await self.redis.call("FUNCTION", "LOAD", "REPLACE", LIBRARY)
 
@@ -302,6 +310,8 @@ class RedisAdmission:
                 pass
             self._wake.clear()
             try:
+                if not self.reachable:  # a drained replica gets no requests: find out by itself
+                    await self._probe()
                 await self._retry_settles()
                 await self._renew()
             except errors.GatewayError:
