@@ -81,10 +81,22 @@ def test_postgres_ledger_and_restart(sim: Sim, pg_schema: str) -> None:
         stop(gw2.proc)
 
 
+def test_a_second_gateway_without_shared_admission_is_refused(sim: Sim, pg_schema: str) -> None:
+    """Two gateways admitting on their own views of one database would together pass every limit."""
+    env = {"KILN_DATABASE": f"{DSN}?schema={pg_schema}"}
+    a = start_gateway(catalog_toml(sim.url), env=env)
+    try:
+        with pytest.raises(RuntimeError, match="redis_url"):
+            stop(start_gateway(catalog_toml(sim.url), env=env).proc)
+    finally:
+        stop(a.proc)
+
+
 def test_two_gateways_on_one_database_share_keys_and_status(sim: Sim, pg_schema: str) -> None:
     """A key created or suspended through one replica holds on the other within the refresh interval."""
     config = catalog_toml(sim.url).replace("[server]\n", "[server]\nrefresh_s = 0.3\n", 1)
-    env = {"KILN_DATABASE": f"{DSN}?schema={pg_schema}"}
+    env = {"KILN_DATABASE": f"{DSN}?schema={pg_schema}", "KILN_REDIS_URL": "redis://127.0.0.1:6379/0",
+           "KILN_REDIS_PREFIX": f"kiln-test-{pg_schema}"}
     a = start_gateway(config, env=env)
     b = start_gateway(config, env=env)
     try:

@@ -56,9 +56,8 @@ async def open_parts(settings: Settings) -> Parts:
         accounts.on_credits = redis_admission.push_balances
         admission = redis_admission
     else:
-        if store.shared:
-            log.warning("PostgreSQL without redis_url: limits and budgets are enforced per process;"
-                        " run one gateway process per database, or set redis_url")
+        if store.shared:  # one gateway on PostgreSQL is fine; a second one without Redis is refused
+            await store.hold_sole_admission()  # type: ignore[attr-defined]
         admission = MemoryAdmission(settings.limits)
     ledger = Ledger(store, wait_s=settings.ledger_wait_s, spool=spool,
                     dead_letter_file=settings.data_dir / "dead-letters.jsonl",

@@ -77,6 +77,7 @@ class PostgresStore:
         self.pool_size = pool_size
         self.channel = f"kiln_{schema}"[:63]
         self.pool: asyncpg.Pool | None = None
+        self._lock_conn: asyncpg.Connection | None = None
 
     async def open(self) -> None:
         """Connect; an empty schema is created and migrated, a behind one is refused."""
@@ -114,7 +115,23 @@ class PostgresStore:
         # asyncpg's client-side DataError (a value it cannot encode) is a ValueError.
         return not isinstance(exc, _REFUSED_DATA)
 
+    async def hold_sole_admission(self) -> None:
+        """Take this schema's in-process-admission lock for as long as the store is open, or raise:
+        two gateways admitting on their own views of one database's balances would together
+        exceed every limit. (A session lock: it goes with this connection.)"""
+        self._lock_conn = await asyncpg.connect(self.dsn, timeout=10)
+        if not await self._lock_conn.fetchval("SELECT pg_try_advisory_lock(hashtext($1))",
+                                              f"kiln-memory-admission:{self.schema}"):
+            await self._lock_conn.close()
+            self._lock_conn = None
+            raise RuntimeError(
+                f"another gateway already uses schema {self.schema!r} with in-process admission; several"
+                " gateways on one database need shared admission: set server.redis_url (or KILN_REDIS_URL)")
+
     async def close(self) -> None:
+        if self._lock_conn is not None:
+            await self._lock_conn.close()
+            self._lock_conn = None
         if self.pool is not None:
             await self.pool.close()
             self.pool = None
