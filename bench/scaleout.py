@@ -158,6 +158,11 @@ def main() -> int:
                 url, proc = start_gateway(gateway, tmp, name.replace(" ", "").replace("+", "-"), sim_url, env,
                                           workers, cpus)
                 _, key = run.create_tenant(url)
+                deadline = time.monotonic() + 10  # every worker knows the new key (a notice, within a second)
+                while any(run.http("GET", url + "/v1/key", token=key)[0] != 200 for _ in range(4 * workers)):
+                    if time.monotonic() > deadline:
+                        raise run.BenchError("the new key did not reach every worker")
+                    time.sleep(0.1)
                 run.check_responses(url, key)
                 for c in levels:
                     rows[(name, c)] = res = measure(load, url + "/v1/chat/completions", key, body, c, a, load_cpu,
