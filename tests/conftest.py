@@ -9,6 +9,7 @@ start their own gateway with `start_gateway`.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -144,9 +145,36 @@ def start_sim(*args: str, ns: Any = None) -> Sim:
 def stop(proc: subprocess.Popen[Any]) -> None:
     proc.terminate()
     try:
-        proc.wait(10)
+        proc.wait(30)  # a gateway with workers waits for each to finish its graceful shutdown
     except subprocess.TimeoutExpired:
-        proc.kill()
+        kill_hard(proc)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (a gateway's workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_hard(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL a process and all its descendants at once, as if its machine died."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait(10)
 
 
 @pytest.fixture(scope="session")
@@ -281,9 +309,10 @@ class Tenant:
 
 
 def start_gateway(config_text: str, env: dict[str, str] | None = None, ns: Any = None,
-                  data_dir: Path | None = None, **popen: Any) -> Gateway:
-    """A gateway subprocess with this config; inside `ns` (an e2e.LoopbackNamespace) if given;
-    on `data_dir` if given (a restart), else a new one.
+                  args: tuple[str, ...] = (), data_dir: Path | None = None, **popen: Any) -> Gateway:
+    """A gateway subprocess with this config and extra `kiln serve` args (e.g. --workers 2), its
+    data in `data_dir` (a restart; default: a new temp dir); inside `ns` (an e2e.LoopbackNamespace)
+    if given.
 
     Inside a namespace the test process cannot reach it: readiness is read from its log.
     """
@@ -295,7 +324,7 @@ def start_gateway(config_text: str, env: dict[str, str] | None = None, ns: Any =
     start = ns.popen if ns is not None else subprocess.Popen
     proc = start(
         [sys.executable, "-m", "kiln", "serve", "--config", str(config), "--port", str(port),
-         "--data-dir", str(data_dir)],
+         "--data-dir", str(data_dir), *args],
         stdout=log.open("a"),
         stderr=subprocess.STDOUT,
         env={**os.environ, "KILN_ADMIN_KEY": ADMIN_KEY, **(env or {})},

@@ -84,10 +84,22 @@ def test_postgres_ledger_and_restart(sim: Sim, pg_schema: str) -> None:
         stop(gw2.proc)
 
 
+def test_a_second_gateway_without_shared_admission_is_refused(sim: Sim, pg_schema: str) -> None:
+    """Two gateways admitting on their own views of one database would together pass every limit."""
+    env = {"KILN_DATABASE": f"{DSN}?schema={pg_schema}"}
+    a = start_gateway(catalog_toml(sim.url), env=env)
+    try:
+        with pytest.raises(RuntimeError, match="redis_url"):
+            stop(start_gateway(catalog_toml(sim.url), env=env).proc)
+    finally:
+        stop(a.proc)
+
+
 def test_two_gateways_on_one_database_share_keys_and_status(sim: Sim, pg_schema: str) -> None:
     """A key created or suspended through one replica holds on the other within the refresh interval."""
     config = catalog_toml(sim.url).replace("[server]\n", "[server]\nrefresh_s = 0.3\n", 1)
-    env = {"KILN_DATABASE": f"{DSN}?schema={pg_schema}"}
+    env = {"KILN_DATABASE": f"{DSN}?schema={pg_schema}", "KILN_REDIS_URL": "redis://127.0.0.1:6379/0",
+           "KILN_REDIS_PREFIX": f"kiln-test-{pg_schema}"}
     a = start_gateway(config, env=env)
     b = start_gateway(config, env=env)
     try:
@@ -132,8 +144,8 @@ def test_postgres_old_usage_events_get_the_defaults(pg_schema: str) -> None:
             await conn.execute(f"CREATE SCHEMA {pg_schema}; SET search_path TO {pg_schema}")
             await conn.execute("CREATE TABLE kiln_schema_version (version INTEGER NOT NULL);"
                                " INSERT INTO kiln_schema_version VALUES (2)")
-            for sql in migrations("postgres")[:2]:
-                await conn.execute(sql)
+            for migration in migrations("postgres")[:2]:
+                await conn.execute(migration.sql)
             await conn.execute(
                 "INSERT INTO usage_events (id, created_at, org_id, project_id, key_id, model, endpoint,"
                 " prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens, cost_nano, status, cancelled,"
@@ -141,6 +153,11 @@ def test_postgres_old_usage_events_get_the_defaults(pg_schema: str) -> None:
                 " 3, 1, 2, 0, 77, 'ok', TRUE, NULL, 12.0)")
         finally:
             await conn.close()
+        behind = PostgresStore(DSN, pg_schema)
+        try:
+            assert "usage_event_details" in await behind.migrate()  # PostgreSQL migrates by `kiln migrate`
+        finally:
+            await behind.close()
         store = PostgresStore(DSN, pg_schema)
         await store.open()
         try:

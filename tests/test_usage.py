@@ -126,8 +126,8 @@ def test_old_usage_events_get_the_defaults(tmp_path: Path) -> None:
     """A database from before the migration keeps its events, read with streamed false."""
     path = tmp_path / "old.db"
     db = sqlite3.connect(path, isolation_level=None)
-    for number, sql in enumerate(migrations("sqlite")[:2], start=1):
-        db.executescript(f"BEGIN; {sql}; PRAGMA user_version = {number}; COMMIT;")
+    for number, migration in enumerate(migrations("sqlite")[:2], start=1):
+        db.executescript(f"BEGIN; {migration.sql}; PRAGMA user_version = {number}; COMMIT;")
     db.execute("INSERT INTO usage_events (id, created_at, org_id, project_id, key_id, model, endpoint,"
                " prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens, cost_nano, status, cancelled,"
                " ttft_ms, duration_ms) VALUES ('gen-old', 1.5, 'o', 'p', 'k', 'm', '/v1/completions',"

@@ -21,6 +21,7 @@ from kiln.core.records import SPEND_RESETS
 from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str, usd_to_nano
 from kiln.http import read_body
+from kiln.core.propagation import save_maintenance
 from kiln.pipeline import Gateway
 from kiln.protocols.openai.errors import openai_error
 
@@ -226,6 +227,7 @@ async def set_maintenance(gw: Gateway, body: dict[str, Any], params: Params) -> 
     gw.maintenance.until = until
     if isinstance(body.get("message"), str):
         gw.maintenance.message = body["message"]
+    await save_maintenance(gw.accounts.store, gw.maintenance)  # survives a restart, reaches every replica
     return await get_maintenance(gw, body, params)
 
 
@@ -258,7 +260,16 @@ def endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaitab
                         raise errors.invalid("The request body is not valid JSON.") from None
                     if not isinstance(body, dict):
                         raise errors.invalid("The request body must be a JSON object.")
-            result = await handler(gw, body, {**request.query_params, **request.path_params})
+            params = {**request.query_params, **request.path_params}
+            try:
+                result = await handler(gw, body, params)
+            except GatewayError as err:
+                if err.status != 404 or not gw.accounts.store.shared:
+                    raise
+                # Another process may have made it a moment ago (before its notice arrived here):
+                # take the database's view, then try once more. Every 404 comes before any write.
+                await gw.accounts.refresh()
+                result = await handler(gw, body, params)
             return result if isinstance(result, Response) else _json(result, status)
         except GatewayError as err:
             reply = openai_error(err)

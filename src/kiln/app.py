@@ -7,7 +7,6 @@ can too.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from datetime import datetime, timezone
@@ -25,12 +24,10 @@ from kiln import access_log, admin, console, metrics, tracing, usage
 from kiln.catalog import Catalog, Model
 from kiln.config import Settings, build_catalog
 from kiln.core import errors
-from kiln.core.accounts import ADMIN_HASH_META, Accounts
-from kiln.core.admission import AdmissionControl, MemoryAdmission
+from kiln.core.admission import AdmissionControl
 from kiln.core.clock import CLOCK, Clock
 from kiln.core.errors import GatewayError
-from kiln.core.keys import bearer_token, hash_key
-from kiln.core.ledger import Ledger
+from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str
 from kiln.http import StreamResponse
 from kiln.pipeline import Gateway, MakeTranslator
@@ -43,9 +40,9 @@ from kiln.protocols.openai.errors import openai_error
 from kiln.protocols.openai.responses import ResponsesTranslator
 from kiln.protocols.reasoning import ReasoningSeal, reasoning_key
 from kiln.router import Router
-from kiln.store import make_store
 from kiln.store.base import Store
 from kiln.upstream import Limits, Upstream
+from kiln.wiring import close_parts, degraded, open_parts, start_propagation
 
 log = logging.getLogger("kiln")
 DRAIN_S = 15.0  # shutdown: the longest the metering of cut streams may take (tokenizer call included)
@@ -152,7 +149,10 @@ async def key_info(request: Request) -> Response:
     if key.expires_at is not None and key.expires_at <= gw.clock.time():
         return _error(errors.unauthorized("This API key has expired."))
     project = gw.accounts.projects[key.project_id]
-    limits = await gw.admission.state(key, gw.accounts.org(key.org_id))
+    try:
+        limits = await gw.admission.state(key, gw.accounts.org(key.org_id))
+    except GatewayError as err:  # shared admission unreachable
+        return _error(err)
     spendable = limits.pop("spendable_nano")
     return _json(
         {
@@ -175,17 +175,22 @@ async def key_info(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    """Without the admin credential only the state: up ("ok"), "degraded" (no model can be
-    served) or "maintenance". With it, also model availability and requests in flight."""
+    """Without the admin credential only the state: "ok", "maintenance", or "degraded" (503, so a
+    load balancer drains this replica) when metered requests are refused here: the ledger cannot
+    write, shared admission (Redis) is unreachable, or no model can be served. With the admin
+    credential also why, the database, model availability and requests in flight."""
     gw: Gateway = request.app.state.gateway
     maintenance = gw.maintenance.active
     models = {m.id: m.available for m in gw.catalog.models}
-    status = "maintenance" if maintenance else ("ok" if any(models.values()) else "degraded")
+    problems = degraded(gw) + ([] if any(models.values()) else ["no model can be served"])
+    status = "degraded" if problems else "maintenance" if maintenance else "ok"
     body: dict[str, object] = {"status": status, "maintenance_until": gw.maintenance.until if maintenance else None}
     token, _ = bearer_token(request.headers.get("authorization"), None)
     if token is not None and gw.accounts.is_admin(token):
-        body.update(models=models, in_flight=gw.in_flight)
-    return _json(body)
+        database_ok = gw.accounts.database_ok and not (gw.ledger.spool and gw.ledger.spool.backlog)
+        body.update(problems=problems, models=models, in_flight=gw.in_flight,
+                    database="ok" if database_ok else "unreachable: usage events wait in the local spool")
+    return _json(body, 503 if problems else 200)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -226,14 +231,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        db = store or make_store(settings.database_url, settings.sqlite_synchronous)
-        await db.open()
-        if settings.admin_key:  # the only admin credential: it replaces the stored one (rotation)
-            await db.set_meta(ADMIN_HASH_META, hash_key(settings.admin_key))
-        accounts = Accounts(db, clock)
-        await accounts.load()
-        ledger = Ledger(db, on_commit=metrics.record_ledger_commit)
-        await ledger.start()
+        parts = await open_parts(settings, store=store, admission=admission, clock=clock,
+                                 on_metrics=metrics.record_ledger_commit)  # store, accounts, admission, ledger
         client = upstream or Upstream(Limits(connect_s=settings.connect_timeout_s,
                                              idle_s=settings.stream_idle_timeout_s,
                                              max_body_bytes=settings.max_upstream_body_bytes,
@@ -243,13 +242,11 @@ def create_app(
         await router.probe_all()
         await router.start()
         ctx = Context(catalog, ReasoningSeal(reasoning_key(settings.reasoning_secret, settings.data_dir)))
-        gateway = Gateway(settings, catalog, accounts, admission or MemoryAdmission(settings.limits, clock),
-                          ledger, client, router, ctx, clock)
+        gateway = Gateway(settings, catalog, parts.accounts, parts.admission, parts.ledger, client, router, ctx, clock)
         app.state.gateway = gateway
+        await start_propagation(parts, settings, gateway.maintenance)
         metrics.bind(gateway)
         stop_metrics = metrics.serve(settings.metrics.host, settings.metrics.port) if settings.metrics.port else None
-        # Several gateways on one database: take each other's key and limit changes every few seconds.
-        refresher = asyncio.create_task(accounts.refresh_forever(settings.refresh_s)) if db.shared else None
         if on_ready is not None:
             result = on_ready(gateway)
             if hasattr(result, "__await__"):
@@ -258,15 +255,11 @@ def create_app(
             yield
         finally:
             await gateway.drain(DRAIN_S)  # the metering of cut streams, before the ledger stops
-            if refresher is not None:
-                refresher.cancel()
-                await asyncio.gather(refresher, return_exceptions=True)
             if stop_metrics is not None:
                 stop_metrics()
             await router.stop()
-            await ledger.stop()
+            await close_parts(parts)
             await client.close()
-            await db.close()
             tracing.shutdown()
 
     routes = [

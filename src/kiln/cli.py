@@ -1,6 +1,7 @@
 """The `kiln` command: serve the gateway, run the simulator, administer.
 
-    kiln serve [--config kiln.toml] [--host H] [--port P] [--data-dir D]
+    kiln serve [--config kiln.toml] [--host H] [--port P] [--data-dir D] [--workers N]
+    kiln migrate [--config kiln.toml]            (apply the database's pending schema migrations)
     kiln sim [--port P] ...                      (the vLLM-like model-server simulator)
     kiln admin [--json] orgs|projects|keys|usage|maintenance ...   (talks to a running gateway)
 """
@@ -21,6 +22,7 @@ from typing import Any
 
 from kiln import config, tables
 from kiln.config import ConfigError, Settings
+from kiln.workers import reuse_port_socket, supervise, worker_index
 
 DEMO_CREDITS_USD = "5"
 
@@ -39,11 +41,16 @@ def main(argv: list[str] | None = None) -> None:
     serve.add_argument("--host")
     serve.add_argument("--port", type=int)
     serve.add_argument("--data-dir")
+    serve.add_argument("--workers", type=int, help="gateway processes on one port (needs redis_url and PostgreSQL)")
+    migrate = sub.add_parser("migrate", help="apply the database's pending schema migrations")
+    migrate.add_argument("--config", help="TOML configuration file (default: $KILN_CONFIG or ./kiln.toml if present)")
     sub.add_parser("sim", help="start the model-server simulator (see `kiln sim --help`)")
     _admin_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "serve":
         serve_command(args)
+    elif args.command == "migrate":
+        migrate_command(args)
     else:
         admin_command(args)
 
@@ -51,21 +58,39 @@ def main(argv: list[str] | None = None) -> None:
 # -- serve ----------------------------------------------------------------------
 
 
-def serve_command(args: argparse.Namespace) -> None:
+def _settings(args: argparse.Namespace) -> Settings:
     path = args.config or os.environ.get("KILN_CONFIG")
     if path is None and Path("kiln.toml").exists():
         path = "kiln.toml"
+    args.config = path
     try:
-        settings = config.load(path)
+        return config.load(path)
     except ConfigError as exc:
         print(f"kiln: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def serve_command(args: argparse.Namespace) -> None:
+    settings = _settings(args)
     if args.host:
         settings.host = args.host
     if args.port is not None:
         settings.port = args.port
     if args.data_dir:
         settings.data_dir = Path(args.data_dir)
+    if args.workers is not None:
+        settings.workers = args.workers
+    index = worker_index()
+    if index is not None:
+        settings.workers = 1  # one of the parent's workers
+    problems = config.check_workers(settings)
+    if problems:
+        print("kiln: " + "\n".join(problems), file=sys.stderr)
+        raise SystemExit(2)
+    if settings.workers > 1:
+        argv = ["serve", *(["--config", args.config] if args.config else []),
+                *(["--host", args.host] if args.host else []), *(["--data-dir", args.data_dir] if args.data_dir else [])]
+        raise SystemExit(supervise(settings.workers, settings.host, settings.port, argv))
     sim_url = start_demo_simulator() if settings.demo else None
     catalog = config.build_catalog(settings, sim_url=sim_url)
 
@@ -73,7 +98,28 @@ def serve_command(args: argparse.Namespace) -> None:
     from kiln.server import serve
 
     settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database and keys live here
-    serve(create_app(settings, catalog=catalog, on_ready=lambda gw: _bootstrap(gw, settings)), settings)
+    bootstrap = index in (None, 0)  # one worker shows the first-start credentials
+    app = create_app(settings, catalog=catalog, on_ready=lambda gw: _bootstrap(gw, settings) if bootstrap else None)
+    serve(app, settings, sockets=[reuse_port_socket(settings.host, settings.port)] if index is not None else None)
+
+
+def migrate_command(args: argparse.Namespace) -> None:
+    """Apply pending migrations (for PostgreSQL, before rolling out a new version: docs/deploy.md)."""
+    import asyncio
+
+    from kiln.store import make_store
+
+    settings = _settings(args)
+
+    async def run() -> list[str]:
+        store = make_store(settings.database_url)
+        try:
+            return await store.migrate()
+        finally:
+            await store.close()
+
+    applied = asyncio.run(run())
+    print(f"kiln: applied {', '.join(applied)}" if applied else "kiln: the schema is up to date")
 
 
 def start_demo_simulator() -> str:

@@ -81,7 +81,12 @@ class Settings:
     max_upstream_body_bytes: int = 64 * 1024 * 1024  # a backend's JSON answer
     max_upstream_event_bytes: int = 8 * 1024 * 1024  # one SSE event from a backend
     backend_retry_s: float = 5.0
-    refresh_s: float = 2.0  # shared database: how often to take other gateways' key and limit changes
+    refresh_s: float = 2.0  # shared database: fallback poll for other gateways' changes (notices come at once)
+    workers: int = 1  # gateway processes on one port; more than one needs redis_url and PostgreSQL
+    redis_url: str = ""  # shared admission for several processes/replicas (also KILN_REDIS_URL)
+    redis_prefix: str = "kiln"  # Redis key prefix: gateways sharing one prefix share limits
+    database_pool: int = 4  # PostgreSQL connections per process
+    ledger_wait_s: float = 10.0  # a request waits this long for its usage event to be durable, then 503
     shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long, then streams are cut and billed
     header_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris)
     body_timeout_s: float = 60.0  # and its body within this once the head is in
@@ -103,6 +108,27 @@ class Settings:
     def database_url(self) -> str:
         return self.database or f"sqlite:///{self.data_dir / 'kiln.db'}"
 
+    @property
+    def shared_database(self) -> bool:
+        return self.database_url.startswith(("postgres://", "postgresql://"))
+
+
+def check_workers(settings: Settings) -> list[str]:
+    """Several processes need shared state: say which setting is missing instead of running
+    with per-process limits."""
+    if settings.workers < 1:
+        return ["server.workers: expected a positive integer"]
+    if settings.workers == 1:
+        return []
+    problems = []
+    if not settings.redis_url:
+        problems.append(f"server.workers = {settings.workers} needs shared admission (limits, budgets, slots):"
+                        " set server.redis_url = \"redis://HOST:6379/0\" (or KILN_REDIS_URL)")
+    if not settings.shared_database:
+        problems.append(f"server.workers = {settings.workers} needs PostgreSQL (SQLite is one process's store):"
+                        " set server.database = \"postgresql://USER@HOST/DB\" (or KILN_DATABASE)")
+    return problems
+
 
 _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "host": str, "port": int, "data_dir": str, "database": str, "sqlite_synchronous": str,
@@ -111,6 +137,8 @@ _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "stream_idle_timeout_s": (int, float), "max_upstream_body_bytes": int, "max_upstream_event_bytes": int,
     "log_level": str, "shutdown_grace_s": (int, float), "header_timeout_s": (int, float),
     "body_timeout_s": (int, float), "max_header_bytes": int, "max_headers": int, "max_connections": int,
+    "workers": int, "redis_url": str, "redis_prefix": str, "database_pool": int,
+    "ledger_wait_s": (int, float),
 }
 _POSITIVE_SERVER_FIELDS = ("shutdown_grace_s", "header_timeout_s", "body_timeout_s", "max_header_bytes",
                            "max_headers", "max_connections")
@@ -169,13 +197,16 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
     # Environment overrides (for containers and tests) and secrets.
     for var, name, conv in (
         ("KILN_HOST", "host", str), ("KILN_PORT", "port", int), ("KILN_DATA_DIR", "data_dir", Path),
-        ("KILN_DATABASE", "database", str),
+        ("KILN_DATABASE", "database", str), ("KILN_REDIS_URL", "redis_url", str),
+        ("KILN_REDIS_PREFIX", "redis_prefix", str), ("KILN_WORKERS", "workers", int),
     ):
         if var in env:
             try:
                 setattr(settings, name, conv(env[var]))
             except ValueError:
                 problems.append(f"{var}: not a valid {name}: {env[var]!r}")
+    if settings.redis_url and not settings.redis_url.startswith(("redis://", "rediss://", "unix://")):
+        problems.append(f"server.redis_url: expected redis://HOST:PORT/DB, got {settings.redis_url!r}")
     if settings.database and not settings.database.startswith(("sqlite:///", "postgres://", "postgresql://")):
         problems.append(f"server.database: expected sqlite:///PATH or postgresql://..., got {settings.database!r}")
     settings.admin_key = env.get("KILN_ADMIN_KEY") or None

@@ -161,6 +161,8 @@ class Gateway:
             call = _translated(tr, body)
             if self.maintenance.active:
                 raise self.maintenance.error()
+            if self.ledger.degraded:  # usage could not be recorded: refuse before any work is done
+                raise self.ledger.unavailable()
             generation_id = new_generation_id()
             ticket = await self.admission.admit(key, self.accounts.org(key.org_id),
                                                 _demand(call, tr.endpoint, len(raw)), generation_id)

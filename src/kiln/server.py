@@ -226,8 +226,9 @@ class GatewayServer(uvicorn.Server):
         await self.lifespan.shutdown()
 
 
-def serve(app: Any, settings: Any) -> None:
-    """Run `app` under uvicorn with the server settings (see the [server] table)."""
+def serve(app: Any, settings: Any, sockets: list[Any] | None = None) -> None:
+    """Run `app` under uvicorn with the server settings (see the [server] table); on `sockets`
+    if given (a worker of several, on a port they share)."""
     open_files = raise_open_file_limit()
     limits = ConnectionLimits(
         max_header_bytes=settings.max_header_bytes,
@@ -247,6 +248,6 @@ def serve(app: Any, settings: Any) -> None:
         timeout_graceful_shutdown=settings.shutdown_grace_s,
     )
     server = GatewayServer(config, settings.shutdown_grace_s)
-    server.run()
+    server.run(sockets=sockets)
     if not server.started:
         raise SystemExit(3)

@@ -7,11 +7,11 @@ key takes effect on the next request.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
 from datetime import datetime, timezone
+from typing import Awaitable, Callable
 
 from kiln.core import errors
 from kiln.core.clock import CLOCK, Clock
@@ -103,9 +103,16 @@ def _id(prefix: str) -> str:
 
 
 class Accounts:
-    def __init__(self, store: Store, clock: Clock = CLOCK) -> None:
+    def __init__(self, store: Store, clock: Clock = CLOCK, take_balances: bool = False) -> None:
         self.store = store
         self.clock = clock
+        # Shared admission (Redis) decides on balances itself: this cache only shows them, and takes
+        # the committed ones from the database on refresh. In-process admission decides on these.
+        self.take_balances = take_balances
+        self.database_ok = True  # the last refresh could read the database: an unknown key is really unknown
+        # Called with {org_id: (credits, version)} after a top-up here (shared admission takes it at once).
+        self.on_credits: Callable[[dict[str, tuple[int, int]]], Awaitable[None]] | None = None
+        self._credit_versions: dict[str, int] = {}
         self.orgs: dict[str, Org] = {}
         self.projects: dict[str, Project] = {}
         self.keys: dict[str, ApiKey] = {}  # by id
@@ -132,11 +139,25 @@ class Accounts:
         stored = await self.store.get_meta(ADMIN_HASH_META)
         self._admin_hashes = [stored] if stored else []
 
+    def take_credits(self, balances: dict[str, tuple[int, int]]) -> None:
+        """Committed credit balances (from a commit, a top-up or the poll), each taken only if newer
+        than the one shown: with shared admission, credits here are for display."""
+        for org_id, (credits, version) in balances.items():
+            org = self.orgs.get(org_id)
+            if org is not None and version > self._credit_versions.get(org_id, -1):
+                org.credits_nano = credits
+                self._credit_versions[org_id] = version
+
     async def refresh(self) -> None:
         """Take what other gateways changed in a shared database: new organisations, projects
-        and keys, key status, limits and expiry. Balances stay this process's own (admission
-        across replicas is a shared-state concern, not a cache one)."""
-        snap = await self.store.load(None)
+        and keys, key status, limits and expiry (and, with shared admission, key spend).
+        With in-process admission balances stay this process's own."""
+        try:
+            snap = await self.store.load(None)
+        except Exception:
+            self.database_ok = False
+            raise
+        self.database_ok = True
         month = month_of(self.clock.time())
         for org in snap.orgs:
             mine = self.orgs.get(org.id)
@@ -156,15 +177,8 @@ class Accounts:
             else:
                 for name in _KEY_SETTINGS:
                     setattr(mine, name, getattr(key, name))
-
-    async def refresh_forever(self, every_s: float) -> None:
-        """Refresh from a shared database on a timer; a failed round is logged and retried."""
-        while True:
-            await asyncio.sleep(every_s)
-            try:
-                await self.refresh()
-            except Exception:
-                log.exception("refreshing keys and organisations from the database failed")
+                if self.take_balances:
+                    mine.spend_nano = key.spend_nano
 
     # -- the hot path -------------------------------------------------------
 
@@ -173,9 +187,13 @@ class Accounts:
         return self._by_hash.get(hash_key(token))
 
     def authenticate(self, token: str) -> ApiKey:
-        """The key for a presented token, or 401/403 per the contract."""
+        """The key for a presented token, or 401/403 per the contract; 503 for a key this process
+        has not seen while the database cannot be asked (it may be a new, valid one)."""
         key = self._by_hash.get(hash_key(token))
         if key is None:
+            if not self.database_ok:
+                raise errors.unavailable("The gateway cannot check this API key right now (its database is"
+                                         " unreachable); retry shortly.", headers={"Retry-After": "5"})
             raise errors.unauthorized("Invalid API key.")
         if key.expires_at is not None and key.expires_at <= self.clock.time():
             raise errors.unauthorized("This API key has expired.")
@@ -184,9 +202,6 @@ class Accounts:
         return key
 
     # -- admin credential ---------------------------------------------------
-
-    def add_admin_hash(self, key_hash: str) -> None:
-        self._admin_hashes.append(key_hash)
 
     def is_admin(self, token: str) -> bool:
         h = hash_key(token)
@@ -226,7 +241,13 @@ class Accounts:
 
     async def add_credits(self, org_id: str, amount_nano: int, note: str = "") -> Org:
         org = self.org(org_id)
-        org.credits_nano = await self.store.add_credits(org_id, amount_nano, note)
+        credits, version = await self.store.add_credits(org_id, amount_nano, note)
+        if self.take_balances:
+            self.take_credits({org_id: (credits, version)})
+        else:
+            org.credits_nano = credits
+        if self.on_credits is not None:
+            await self.on_credits({org_id: (org.credits_nano, version)})
         return org
 
     async def create_project(self, org_id: str, name: str) -> Project:

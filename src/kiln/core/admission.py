@@ -20,9 +20,10 @@ the prompt by the backend's tokenizer). So spend passes a limit only when a
 chunk carries more than one token: the documented bound is the tokens of one
 chunk per stream in flight (a handful at most, e.g. with speculative decoding).
 
-This is the in-process implementation. A Redis implementation for several
-replicas provides the same four calls (admit, extend, settle, state) as
-atomic scripts with leases that expire if a replica dies.
+This is the in-process implementation. RedisAdmission (admission_redis.py),
+for several processes and replicas, provides the same four calls with the
+same semantics and bound, as atomic scripts with leases that expire if a
+replica dies.
 """
 
 from __future__ import annotations
@@ -160,7 +161,7 @@ class MemoryAdmission:
         available, scope = self._available(key, org, org_state, key_state)
         prompt_nano = _ceil(demand.prompt_tokens_max * demand.input_nano_per_token)
         if available <= prompt_nano:
-            raise _payment_error(scope, available <= 0)
+            raise payment_error(scope, available <= 0)
         self._check_rates(org_state, org.concurrency_limit or self.defaults.concurrency,
                           org.rpm_limit or self.defaults.rpm, org.tpm_limit or self.defaults.tpm, now, "organisation")
         self._check_rates(key_state, key.concurrency_limit, key.rpm_limit, key.tpm_limit, now, "key")
@@ -242,32 +243,46 @@ class MemoryAdmission:
     def _check_rates(state: _State, concurrency: int | None, rpm: int | None, tpm: int | None,
                      now: float, who: str) -> None:
         if concurrency is not None and state.in_flight >= concurrency:
-            # The contract: the concurrency 429 carries no rate-limit headers.
-            raise errors.rate_limited(
-                f"This {who} already has {concurrency} requests in flight. Back off and retry.",
-                reason="concurrency",
-            )
-        headers: dict[str, str] = {}
-        if rpm is not None:
-            headers["x-ratelimit-limit-requests"] = str(rpm)
-            headers["x-ratelimit-remaining-requests"] = str(max(rpm - state.requests.used(now), 0))
-        if tpm is not None:
-            headers["x-ratelimit-limit-tokens"] = str(tpm)
-            headers["x-ratelimit-remaining-tokens"] = str(max(tpm - state.tokens.used(now), 0))
+            raise concurrency_error(who, concurrency)
+        headers = rate_headers(rpm, tpm, state.requests.used(now), state.tokens.used(now))
         if rpm is not None and state.requests.used(now) >= rpm:
-            reset = state.requests.reset_in(now)
-            raise errors.rate_limited(
-                f"This {who} reached its limit of {rpm} requests per minute. Retry in {reset} s.",
-                headers={**headers, "x-ratelimit-reset": str(reset), "retry-after": str(reset)},
-                reason="requests_per_minute",
-            )
+            raise rate_error(who, rpm, "requests", state.requests.reset_in(now), headers)
         if tpm is not None and state.tokens.used(now) >= tpm:
-            reset = state.tokens.reset_in(now)
-            raise errors.rate_limited(
-                f"This {who} reached its limit of {tpm} tokens per minute. Retry in {reset} s.",
-                headers={**headers, "x-ratelimit-reset": str(reset), "retry-after": str(reset)},
-                reason="tokens_per_minute",
-            )
+            raise rate_error(who, tpm, "tokens", state.tokens.reset_in(now), headers)
+
+
+def concurrency_error(who: str, limit: int) -> errors.GatewayError:
+    # The contract: the concurrency 429 carries no rate-limit headers.
+    return errors.rate_limited(f"This {who} already has {limit} requests in flight. Back off and retry.",
+                               reason="concurrency")
+
+
+def rate_headers(rpm: int | None, tpm: int | None, requests_used: int, tokens_used: int) -> dict[str, str]:
+    headers: dict[str, str] = {}
+    if rpm is not None:
+        headers["x-ratelimit-limit-requests"] = str(rpm)
+        headers["x-ratelimit-remaining-requests"] = str(max(rpm - requests_used, 0))
+    if tpm is not None:
+        headers["x-ratelimit-limit-tokens"] = str(tpm)
+        headers["x-ratelimit-remaining-tokens"] = str(max(tpm - tokens_used, 0))
+    return headers
+
+
+def rate_error(who: str, limit: int, what: str, reset: int, headers: dict[str, str]) -> errors.GatewayError:
+    """A per-minute limit reached (`what`: "requests" or "tokens"), with when to retry."""
+    return errors.rate_limited(
+        f"This {who} reached its limit of {limit} {what} per minute. Retry in {reset} s.",
+        headers={**headers, "x-ratelimit-reset": str(reset), "retry-after": str(reset)},
+        reason=f"{what}_per_minute",
+    )
+
+
+def count_error(limit: int, reset: int) -> errors.GatewayError:
+    return errors.rate_limited(
+        f"This organisation reached its limit of {limit} token counts per minute. Retry in {reset} s.",
+        headers={"x-ratelimit-reset": str(reset), "retry-after": str(reset)},
+        reason="token_counts_per_minute",
+    )
 
 
 def _ceil(value: Decimal | int) -> int:
@@ -290,7 +305,7 @@ def _ticket(org: Org, key: ApiKey, demand: Demand, generation_id: str, money_lef
     want = per_output * outputs
     output = min(want, _affordable(money_left, demand.output_nano_per_token))
     if want >= 1 and output < outputs:
-        raise _payment_error(scope, False)
+        raise payment_error(scope, False)
     if not demand.stream and output < want:
         output -= output % outputs  # an equal cap for every output
     return Ticket(org.id, key.id, generation_id, output_tokens=output,
@@ -301,12 +316,7 @@ def _ticket(org: Org, key: ApiKey, demand: Demand, generation_id: str, money_lef
 def _check_counts(state: _State, limit: int, now: float) -> None:
     """count_tokens has its own window: it runs no inference, and Claude Code fires dozens at once."""
     if state.counts.used(now) >= limit:
-        reset = state.counts.reset_in(now)
-        raise errors.rate_limited(
-            f"This organisation reached its limit of {limit} token counts per minute. Retry in {reset} s.",
-            headers={"x-ratelimit-reset": str(reset), "retry-after": str(reset)},
-            reason="token_counts_per_minute",
-        )
+        raise count_error(limit, state.counts.reset_in(now))
 
 
 _PAYMENT = {
@@ -319,7 +329,7 @@ _PAYMENT = {
 }
 
 
-def _payment_error(scope: str, exhausted: bool) -> errors.GatewayError:
+def payment_error(scope: str, exhausted: bool) -> errors.GatewayError:
     code, gone, short = _PAYMENT[scope]
     return errors.payment_required(gone if exhausted else short, code,
                                    reason={"key": "key_spend_limit"}.get(scope, scope))

@@ -5,21 +5,46 @@ includes it, so the event is durable before the response's last byte. One
 writer task drains everything queued while the previous commit ran into the
 next transaction: under load many requests share one commit, and an idle
 gateway commits a lone event at once.
+
+No single event can wedge it: a batch the store refuses (a value it cannot
+take) is split in halves until the bad event is alone; that one is set aside
+in the dead-letter table (or, if even that fails, a dead-letter file), with an
+error in the log and a count in `stats`, and the rest commit.
+
+When the store cannot write at all, it says so instead of hanging:
+- with a spool (a shared database, which may be unreachable for a while), the
+  batch goes to the durable local spool and a flusher writes the spool to the
+  database, in order, once it answers;
+- without one (or when the spool cannot write either: the disk is full), the
+  ledger is `degraded`: /health says so, new metered requests get a 503 at
+  once, requests waiting for their commit get one after `wait_s`, and their
+  events stay queued until the store takes them. It recovers by itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
-from typing import Callable
+from collections import deque
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import orjson
+
+from kiln.core import errors
 from kiln.core.records import UsageEvent
-from kiln.store.base import Store
+from kiln.core.spool import Spool
+from kiln.store.base import CreditBalances, Store, event_json
 
 log = logging.getLogger("kiln.ledger")
 
 MAX_BATCH = 1000
+STOP_TIMEOUT_S = 10.0
+LEDGER_UNAVAILABLE = "ledger_unavailable"
+OnCommit = Callable[[list[UsageEvent], CreditBalances], Awaitable[None]]
 
 
 def new_generation_id() -> str:
@@ -28,26 +53,66 @@ def new_generation_id() -> str:
 
 
 class Ledger:
-    def __init__(self, store: Store, on_commit: Callable[[float, int], None] | None = None) -> None:
+    def __init__(self, store: Store, *, wait_s: float = 10.0, spool: Spool | None = None,
+                 dead_letter_file: Path | None = None, on_commit: OnCommit | None = None,
+                 on_balances: Callable[[CreditBalances], None] | None = None,
+                 on_metrics: Callable[[float, int], None] | None = None) -> None:
         self.store = store
-        self.on_commit = on_commit  # (seconds the commit took, events in it): for metrics
-        self._queue: asyncio.Queue[tuple[UsageEvent, asyncio.Future[None]]] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
+        self.wait_s = wait_s
+        self.spool = spool
+        self.dead_letter_file = dead_letter_file
+        self.on_commit = on_commit  # told of each commit, after it (shared admission)
+        self.on_balances = on_balances  # given the balances a commit moved, before its requests go on
+        self.on_metrics = on_metrics  # (seconds a commit took, events in it)
+        self.failing_since: float | None = None  # monotonic time the writes started failing
+        self.failure = ""  # why, for /health and the log
+        self.stats = {"committed": 0, "spooled": 0, "dead_lettered": 0, "failed_writes": 0}
+        # Queued events with their futures and when they were queued (the bound on waiting).
+        self._queue: deque[tuple[UsageEvent, asyncio.Future[None], float]] = deque()
+        self._batch: list[tuple[UsageEvent, asyncio.Future[None], float]] = []
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[None]] = set()
+        self._flush = asyncio.Event()
+        self._spool_lock = asyncio.Lock()  # an append (in a thread) and a rotation never overlap
+        self._logged_at = 0.0
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="kiln-ledger")
+        self._tasks = [asyncio.create_task(self._run(), name="kiln-ledger"),
+                       asyncio.create_task(self._bound_waits(), name="kiln-ledger-waits")]
+        if self.spool is not None:
+            self._tasks.append(asyncio.create_task(self._flush_forever(), name="kiln-ledger-spool"))
+            self._flush.set()  # a spool left by an earlier run is written first
 
     async def stop(self) -> None:
-        """Flush what is queued, then stop the writer."""
-        if self._task is None:
+        """Flush what is queued (within STOP_TIMEOUT_S), then stop; what the store never took by
+        then goes to the spool, or else to the dead-letter file."""
+        if not self._tasks:
             return
-        await self._queue.join()
-        self._task.cancel()
         try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        self._task = None
+            await asyncio.wait_for(self._idle.wait(), STOP_TIMEOUT_S)
+        except TimeoutError:
+            left = [e for e, _, _ in self._batch] + [e for e, _, _ in self._queue]
+            log.error("ledger stopping with %d events the store did not take: %s", len(left), self.failure)
+            self._keep(left)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
+        self._tasks = []
+        if self.spool is not None:
+            self.spool.close()
+
+    @property
+    def degraded(self) -> bool:
+        """True while events can be made durable nowhere (store and spool both failing)."""
+        return self.failing_since is not None
+
+    def unavailable(self) -> errors.GatewayError:
+        return errors.GatewayError(
+            503, "The gateway cannot record usage right now (its ledger store is failing); retry shortly.",
+            "overloaded_error", LEDGER_UNAVAILABLE, headers={"Retry-After": "5"})
 
     @property
     def depth(self) -> int:
@@ -55,39 +120,197 @@ class Ledger:
         return self._queue.qsize()
 
     def submit(self, event: UsageEvent) -> asyncio.Future[None]:
-        """Queue an event; the future resolves once it is committed."""
+        """Queue an event; the future resolves once it is durable, or fails with a 503 once it
+        waited `wait_s` for a store that cannot write (the event stays queued)."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait((event, fut))
+        self._queue.append((event, fut, time.monotonic()))
+        self._idle.clear()
+        self._wake.set()
         return fut
 
     async def record(self, event: UsageEvent) -> None:
-        """Queue an event and wait until it is durable.
+        """Queue an event and wait until it is durable (at most `wait_s`, then a 503).
 
         Shielded: a client that goes away mid-wait does not cancel the commit.
         """
         await asyncio.shield(self.submit(event))
 
+    # -- the writer ------------------------------------------------------------------
+
     async def _run(self) -> None:
         while True:
-            batch = [await self._queue.get()]
-            while len(batch) < MAX_BATCH and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            events = [e for e, _ in batch]
-            delay = 0.05
-            while True:
-                try:
-                    began = time.monotonic()
-                    await self.store.record_usage(events)
-                    if self.on_commit is not None:
-                        self.on_commit(time.monotonic() - began, len(events))
-                    break
-                except asyncio.CancelledError:
-                    raise
-                except Exception:  # keep every event: retry until the store takes it
-                    log.exception("usage commit failed for %d events; retrying in %.2fs", len(events), delay)
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 5.0)
-            for _, fut in batch:
+            if not self._queue:
+                self._idle.set()
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            n = min(len(self._queue), MAX_BATCH)
+            self._batch = [self._queue.popleft() for _ in range(n)]
+            await self._write([e for e, _, _ in self._batch])
+            for _, fut, _ in self._batch:
                 if not fut.done():
                     fut.set_result(None)
-                self._queue.task_done()
+            self._batch = []
+
+    async def _bound_waits(self) -> None:
+        """While the store cannot write, fail the waits that passed `wait_s` (one timer for all,
+        not one per request); their events stay queued."""
+        while True:
+            await asyncio.sleep(min(self.wait_s / 4, 0.5))
+            if self.failing_since is None:
+                continue
+            limit = time.monotonic() - self.wait_s
+            for _, fut, queued in (*self._batch, *self._queue):
+                if queued < limit and not fut.done():
+                    fut.set_exception(self.unavailable())
+
+    async def _write(self, events: list[UsageEvent]) -> None:
+        """Make the events durable: in the store, else in the spool; retry while neither works."""
+        delay = 0.05
+        while True:
+            try:
+                if self.spool is None or not self.spool.backlog:
+                    try:
+                        await self._commit(events)
+                        break
+                    except Exception as exc:
+                        if self.spool is None or not self.store.is_unavailable(exc):
+                            raise
+                        log.warning("database unreachable (%s): spooling usage events to %s",
+                                    type(exc).__name__, self.spool.slot)
+                await self._spool(events)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                self._failed(exc, len(events))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        self._recovered()
+
+    async def _commit(self, events: list[UsageEvent]) -> None:
+        """Commit the events; a batch the store refuses is split until the bad event is alone,
+        which is set aside. Raises when the store cannot write at all."""
+        began = time.monotonic()
+        try:
+            moved = await self.store.record_usage(events)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if self.store.is_unavailable(exc):
+                raise
+            if len(events) == 1:
+                await self._set_aside(events[0], exc)
+                return
+            mid = len(events) // 2
+            await self._commit(events[:mid])
+            await self._commit(events[mid:])
+            return
+        self.stats["committed"] += len(events)
+        if self.on_metrics is not None:
+            self.on_metrics(time.monotonic() - began, len(events))
+        if self.on_balances is not None and moved:
+            self.on_balances(moved)
+        if self.on_commit is not None:
+            task = asyncio.ensure_future(self._report(events, moved))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _report(self, events: list[UsageEvent], moved: CreditBalances) -> None:
+        assert self.on_commit is not None
+        try:
+            await self.on_commit(events, moved)
+        except Exception:
+            log.exception("reporting a commit of %d usage events failed", len(events))
+
+    async def _set_aside(self, event: UsageEvent, exc: BaseException) -> None:
+        reason = f"{type(exc).__name__}: {exc}"[:2000]
+        log.error("usage event %s (org %s, cost %s) refused by the store, set aside as a dead letter: %s",
+                  event.id, event.org_id, event.cost_nano, reason)
+        self.stats["dead_lettered"] += 1
+        try:
+            await self.store.dead_letter(event, reason)
+        except Exception as table_exc:
+            if self.store.is_unavailable(table_exc):
+                raise
+            self._dead_letter_to_file([event], f"{reason}; the dead-letter table refused it too: {table_exc}")
+
+    def _dead_letter_to_file(self, events: list[UsageEvent], reason: str) -> None:
+        if self.dead_letter_file is None:
+            raise RuntimeError("no dead-letter file configured")
+        self.dead_letter_file.parent.mkdir(parents=True, exist_ok=True)
+        with self.dead_letter_file.open("ab") as f:
+            for event in events:
+                f.write(b'{"at":%f,"error":%s,"event":%s}\n' % (time.time(), orjson.dumps(reason), event_json(event)))
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _keep(self, events: list[UsageEvent]) -> None:
+        """At shutdown: the events the store never took go where a later run finds them."""
+        try:
+            if self.spool is None:
+                raise OSError("no spool")
+            self.spool.append(events)
+        except OSError:
+            try:
+                self._dead_letter_to_file(events, f"shutdown before the store took it: {self.failure}")
+            except Exception:
+                log.exception("%d usage events could not be kept anywhere", len(events))
+
+    # -- the spool ----------------------------------------------------------------------
+
+    async def _spool(self, events: list[UsageEvent]) -> None:
+        assert self.spool is not None
+        async with self._spool_lock:
+            await asyncio.get_running_loop().run_in_executor(None, self.spool.append, events)
+        self.stats["spooled"] += len(events)
+        self._flush.set()
+
+    async def _flush_forever(self) -> None:
+        """Write the spool to the database, oldest segment first, once it answers."""
+        assert self.spool is not None
+        delay = 0.5
+        while True:
+            try:
+                await asyncio.wait_for(self._flush.wait(), 1.0)
+            except TimeoutError:
+                pass
+            self._flush.clear()
+            try:
+                async with self._spool_lock:
+                    segments = self.spool.rotate()
+                for segment in segments:
+                    events = self.spool.read(segment)
+                    for start in range(0, len(events), MAX_BATCH):
+                        await self._commit(events[start:start + MAX_BATCH])
+                    self.spool.remove(segment)
+                    log.info("spool segment %s written to the database (%d events)", segment.name, len(events))
+                delay = 0.5
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not self.store.is_unavailable(exc):
+                    log.exception("writing the spool to the database failed")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                self._flush.set()
+
+    # -- health --------------------------------------------------------------------------
+
+    def _failed(self, exc: BaseException, count: int) -> None:
+        self.stats["failed_writes"] += 1
+        self.failure = f"{type(exc).__name__}: {exc}"[:500]
+        now = time.monotonic()
+        if self.failing_since is None:
+            self.failing_since = now
+        if now - self._logged_at > 30:
+            self._logged_at = now
+            log.error("usage ledger cannot write %d events (%s); metered requests get 503 until it can",
+                      count, self.failure)
+
+    def _recovered(self) -> None:
+        if self.failing_since is not None:
+            log.warning("usage ledger writes again after %.1f s", time.monotonic() - self.failing_since)
+            self.failing_since = None
+            self.failure = ""
+            self._logged_at = 0.0

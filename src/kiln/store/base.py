@@ -8,8 +8,10 @@ reach the store in batches through the ledger writer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
+
+import json
 
 from kiln.core.records import ApiKey, Org, Project, UsageEvent
 
@@ -46,6 +48,16 @@ def usage_event(row: Any) -> UsageEvent:
     event = UsageEvent(*row)
     event.cancelled, event.streamed = bool(event.cancelled), bool(event.streamed)
     return event
+
+
+def event_json(event: UsageEvent) -> bytes:
+    """An event as one JSON line (the spool and the dead-letter records). The standard library's
+    encoder: it writes any integer, also the absurd ones that get an event set aside."""
+    return json.dumps(asdict(event), separators=(",", ":")).encode()
+
+
+def event_from_json(raw: bytes | str) -> UsageEvent:
+    return UsageEvent(**json.loads(raw))
 
 
 def cost_by_owner(events: list[UsageEvent]) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
@@ -138,27 +150,66 @@ class Snapshot:
     keys: list[ApiKey]
 
 
+@dataclass(slots=True)
+class Balances:
+    """What admission rebuilds a shared counter from: the committed truth for one org and key."""
+
+    credits_nano: int
+    credits_version: int  # grows with every change of the balance
+    month_spend_nano: int  # since the month start asked for
+    key_spend_nano: int  # since the key's period start asked for (all of it for keys that never reset)
+
+
+# (credits, version) of each organisation whose balance a write moved.
+CreditBalances = dict[str, tuple[int, int]]
+OnChange = Callable[[str], None]  # what changed: "accounts", "credits", "maintenance" or "*" (anything)
+
+
 class Store(Protocol):
     shared: bool  # other gateway processes may write the same database
 
-    async def open(self) -> None: ...
+    async def open(self) -> None:
+        """Connect, and bring the schema up to date where the store may (SQLite; an empty PostgreSQL
+        schema); raises OutdatedSchema when `kiln migrate` must run first."""
+
+    async def migrate(self) -> list[str]:
+        """Apply the pending migrations; returns their names (`kiln migrate`)."""
+
     async def close(self) -> None: ...
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """True when `exc` means the store cannot write now (down, disk full), False when the data
+        was refused (a bad event): the ledger retries the first and sets the second aside."""
 
     async def load(self, month_start: float | None) -> Snapshot:
         """All orgs (with spend since month_start, unless None), projects and keys."""
 
     async def insert_org(self, org: Org) -> None: ...
     async def update_org(self, org_id: str, fields: dict[str, Any]) -> None: ...
-    async def add_credits(self, org_id: str, amount_nano: int, note: str) -> int:
-        """Add (or, negative, remove) credits; returns the new balance."""
+    async def add_credits(self, org_id: str, amount_nano: int, note: str) -> tuple[int, int]:
+        """Add (or, negative, remove) credits; returns the new balance and its version."""
 
     async def insert_project(self, project: Project) -> None: ...
     async def insert_key(self, key: ApiKey) -> None: ...
     async def update_key(self, key_id: str, fields: dict[str, Any]) -> None: ...
 
-    async def record_usage(self, events: list[UsageEvent]) -> None:
-        """Insert the events and, in the same transaction, deduct each cost
-        from its organisation's credits and add it to its key's spend."""
+    async def record_usage(self, events: list[UsageEvent]) -> CreditBalances:
+        """Insert the events that are not there yet (by id) and, in the same transaction, deduct
+        the cost of those inserted from their organisations' credits and add it to their keys'
+        spend: writing an event twice bills it once. Returns the balances it moved."""
+
+    async def dead_letter(self, event: UsageEvent, error: str) -> None:
+        """Set aside an event no write could take, with the reason."""
+
+    async def balances(self, org_id: str, key_id: str, month_start: float, key_since: float | None) -> Balances:
+        """Committed credits, month spend and key period spend (key_since None: all its spend)."""
+
+    async def credit_balances(self) -> CreditBalances:
+        """Every organisation's credits and version (shared admission re-reads them as a fallback)."""
+
+    async def listen(self, on_change: OnChange) -> None:
+        """Call `on_change(what)` whenever another process changes keys, organisations, credits
+        or settings; runs until cancelled (returns at once where nothing is shared)."""
 
     async def key_spend_since(self, since: float) -> dict[str, int]:
         """Spend per key since a time (for spend limits that reset)."""
@@ -175,3 +226,7 @@ class Store(Protocol):
 
     async def get_meta(self, name: str) -> str | None: ...
     async def set_meta(self, name: str, value: str) -> None: ...
+
+
+class OutdatedSchema(RuntimeError):
+    """The database's schema lacks migrations this version needs: run `kiln migrate` first."""

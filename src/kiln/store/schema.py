@@ -1,10 +1,17 @@
-"""The schema, once, for both SQL stores.
+"""The schema, once, for both SQL stores, as named migrations.
 
-Migrations are numbered by their position; each store records the last one it
-applied. The column types differ by dialect only where the engines differ.
+Each migration has a stable name; a store records the names it applied (table
+`kiln_migrations`), so migrations added on different branches merge by name
+and a database is never asked to run one twice. Every migration is additive
+(new tables, new columns with defaults): a gateway of the previous version
+keeps working on a migrated schema, which is what makes the rolling upgrade
+in docs/deploy.md possible. The column types differ by dialect only where the
+engines differ.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 _TYPES = {
     "sqlite": {"money": "INTEGER", "time": "REAL", "serial": "INTEGER PRIMARY KEY AUTOINCREMENT",
@@ -13,8 +20,8 @@ _TYPES = {
                  "boolean": "BOOLEAN", "false": "FALSE", "seq": "        seq BIGSERIAL,\n"},  # SQLite orders by rowid
 }
 
-_MIGRATIONS: list[str] = [
-    """
+_MIGRATIONS: list[tuple[str, str]] = [
+    ("0001_initial", """
     CREATE TABLE orgs (
         id TEXT PRIMARY KEY,
         name TEXT NOT NULL UNIQUE,
@@ -73,22 +80,49 @@ _MIGRATIONS: list[str] = [
     CREATE INDEX usage_events_org_time ON usage_events (org_id, created_at);
     CREATE INDEX usage_events_key_time ON usage_events (key_id, created_at);
     CREATE TABLE meta (name TEXT PRIMARY KEY, value TEXT NOT NULL);
-    """,
-    """
+    """),
+    ("0002_key_limits", """
     ALTER TABLE api_keys ADD COLUMN spend_reset TEXT NOT NULL DEFAULT 'never';
     ALTER TABLE api_keys ADD COLUMN rpm_limit INTEGER;
     ALTER TABLE api_keys ADD COLUMN tpm_limit INTEGER;
     ALTER TABLE api_keys ADD COLUMN concurrency_limit INTEGER;
-    """,
+    """),
+    # Scale-out: a version per credit balance (Redis takes a newer balance only), and
+    # the usage events no write could take, set aside instead of wedging the ledger.
+    ("scaleout_credits_version", """
+    ALTER TABLE orgs ADD COLUMN credits_version {money} NOT NULL DEFAULT 0;
+    """),
+    ("ledger_dead_letters", """
+    CREATE TABLE usage_dead_letters (
+        id {serial},
+        event_id TEXT NOT NULL,
+        created_at {time} NOT NULL,
+        event TEXT NOT NULL,
+        error TEXT NOT NULL
+    );
+    """),
     # What GET /v1/generation reports beside the tokens: events from before this read false / null.
-    """
+    ("usage_event_details", """
     ALTER TABLE usage_events ADD COLUMN streamed {boolean} NOT NULL DEFAULT {false};
     ALTER TABLE usage_events ADD COLUMN finish_reason TEXT;
     ALTER TABLE usage_events ADD COLUMN backend TEXT;
-    """,
+    """),
 ]
 
+# Databases made before migrations had names recorded how many they applied, by position.
+LEGACY_ORDER = ("0001_initial", "0002_key_limits")
 
-def migrations(dialect: str) -> list[str]:
-    """The DDL of every migration, in order, for "sqlite" or "postgres"."""
-    return [sql.format(**_TYPES[dialect]) for sql in _MIGRATIONS]
+
+@dataclass(frozen=True, slots=True)
+class Migration:
+    name: str
+    sql: str
+
+
+def migrations(dialect: str) -> list[Migration]:
+    """Every migration, in order, for "sqlite" or "postgres"."""
+    return [Migration(name, sql.format(**_TYPES[dialect])) for name, sql in _MIGRATIONS]
+
+
+def pending(all_: list[Migration], applied: set[str]) -> list[Migration]:
+    return [m for m in all_ if m.name not in applied]

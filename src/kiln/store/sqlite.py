@@ -10,6 +10,7 @@ batch, not per request.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import sqlite3
 import time
@@ -19,6 +20,9 @@ from typing import Any, Callable, TypeVar
 
 from kiln.core.records import ApiKey, Org, Project, UsageEvent
 from kiln.store.base import (
+    Balances,
+    CreditBalances,
+    OnChange,
     KEY_COLUMNS,
     KEY_UPDATABLE,
     ORG_COLUMNS,
@@ -31,14 +35,18 @@ from kiln.store.base import (
     cost_by_owner,
     summary_rows,
     usage_event,
+    event_json,
     usage_rows,
     usage_summary_sql,
 )
-from kiln.store.schema import migrations
+from kiln.store.schema import LEGACY_ORDER, migrations, pending
 
 T = TypeVar("T")
 
 MIGRATIONS = migrations("sqlite")
+log = logging.getLogger("kiln.store")
+_INSERT_USAGE = (f"INSERT INTO usage_events ({USAGE_COLUMNS}) VALUES ({','.join('?' * USAGE_COLUMN_COUNT)})"
+                 " ON CONFLICT (id) DO NOTHING")
 
 
 class SQLiteStore:
@@ -51,6 +59,7 @@ class SQLiteStore:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-sqlite")
         self._db: sqlite3.Connection | None = None
         self._checkpointer: asyncio.Task[None] | None = None
+        self._applied: list[str] = []
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         loop = asyncio.get_running_loop()
@@ -74,7 +83,7 @@ class SQLiteStore:
             # Checkpoints (the only fsyncs in NORMAL mode) run on their own timer,
             # not inside whichever commit crosses the threshold: no latency spike.
             db.execute("PRAGMA wal_autocheckpoint=0")
-            _migrate(db)
+            self._applied = _migrate(db)
             return db
 
         loop = asyncio.get_running_loop()
@@ -92,10 +101,24 @@ class SQLiteStore:
         try:
             while True:
                 await asyncio.sleep(self.CHECKPOINT_EVERY_S)
-                await loop.run_in_executor(pool, lambda: db.execute("PRAGMA wal_checkpoint(PASSIVE)"))
+                try:
+                    await loop.run_in_executor(pool, lambda: db.execute("PRAGMA wal_checkpoint(PASSIVE)"))
+                except sqlite3.Error as exc:  # e.g. the disk is full: try again on the next round
+                    log.warning("SQLite checkpoint failed: %s", exc)
         finally:
             pool.submit(db.close)
             pool.shutdown(wait=False)
+
+    async def migrate(self) -> list[str]:
+        """SQLite migrates when it opens: what that applied."""
+        if self._db is None:
+            await self.open()
+        return self._applied
+
+    def is_unavailable(self, exc: BaseException) -> bool:
+        """Anything but refused data (disk full, I/O error, locked, read-only): retried."""
+        return not isinstance(exc, (sqlite3.IntegrityError, sqlite3.DataError, sqlite3.InterfaceError,
+                                    ValueError, TypeError, OverflowError))
 
     async def close(self) -> None:
         if self._checkpointer is not None:
@@ -136,15 +159,16 @@ class SQLiteStore:
     async def update_org(self, org_id: str, fields: dict[str, Any]) -> None:
         await self._update("orgs", ORG_UPDATABLE, org_id, fields)
 
-    async def add_credits(self, org_id: str, amount_nano: int, note: str) -> int:
-        def add(db: sqlite3.Connection) -> int:
+    async def add_credits(self, org_id: str, amount_nano: int, note: str) -> tuple[int, int]:
+        def add(db: sqlite3.Connection) -> tuple[int, int]:
             with _tx(db):
                 db.execute(
                     "INSERT INTO credit_grants (org_id, amount_nano, note, created_at) VALUES (?,?,?,?)",
                     (org_id, amount_nano, note, time.time()),
                 )
-                db.execute("UPDATE orgs SET credits_nano = credits_nano + ? WHERE id = ?", (amount_nano, org_id))
-                return db.execute("SELECT credits_nano FROM orgs WHERE id = ?", (org_id,)).fetchone()[0]
+                db.execute("UPDATE orgs SET credits_nano = credits_nano + ?, credits_version = credits_version + 1"
+                           " WHERE id = ?", (amount_nano, org_id))
+                return db.execute("SELECT credits_nano, credits_version FROM orgs WHERE id = ?", (org_id,)).fetchone()
 
         return await self._run(add)
 
@@ -165,23 +189,55 @@ class SQLiteStore:
     async def update_key(self, key_id: str, fields: dict[str, Any]) -> None:
         await self._update("api_keys", KEY_UPDATABLE, key_id, fields)
 
-    async def record_usage(self, events: list[UsageEvent]) -> None:
+    async def record_usage(self, events: list[UsageEvent]) -> CreditBalances:
         rows = usage_rows(events)
-        org_cost, key_cost = cost_by_owner(events)
 
-        def record(db: sqlite3.Connection) -> None:
+        def record(db: sqlite3.Connection) -> CreditBalances:
             with _tx(db):
-                db.executemany(f"INSERT INTO usage_events ({USAGE_COLUMNS}) VALUES ({','.join('?' * USAGE_COLUMN_COUNT)})", rows)
+                # Row by row: an event already there (a retried batch) is skipped and bills nothing.
+                inserted = [e for e, row in zip(events, rows) if db.execute(_INSERT_USAGE, row).rowcount == 1]
+                org_cost, key_cost = cost_by_owner(inserted)
                 db.executemany(
-                    "UPDATE orgs SET credits_nano = credits_nano - ? WHERE id = ?",
-                    org_cost,
+                    "UPDATE orgs SET credits_nano = credits_nano - ?, credits_version = credits_version + 1"
+                    " WHERE id = ?", org_cost,
                 )
-                db.executemany(
-                    "UPDATE api_keys SET spend_nano = spend_nano + ? WHERE id = ?",
-                    key_cost,
-                )
+                db.executemany("UPDATE api_keys SET spend_nano = spend_nano + ? WHERE id = ?", key_cost)
+                return {org_id: tuple(db.execute(  # type: ignore[misc]
+                    "SELECT credits_nano, credits_version FROM orgs WHERE id = ?", (org_id,)).fetchone())
+                    for _, org_id in org_cost}
 
-        await self._run(record)
+        return await self._run(record)
+
+    async def dead_letter(self, event: UsageEvent, error: str) -> None:
+        await self._write(
+            "INSERT INTO usage_dead_letters (event_id, created_at, event, error) VALUES (?, ?, ?, ?)",
+            (event.id, time.time(), event_json(event).decode(), error),
+        )
+
+    async def balances(self, org_id: str, key_id: str, month_start: float, key_since: float | None) -> Balances:
+        def query(db: sqlite3.Connection) -> Balances:
+            credits = db.execute("SELECT credits_nano, credits_version FROM orgs WHERE id = ?", (org_id,)).fetchone()
+            if credits is None:
+                raise LookupError(f"no organisation {org_id}")
+            month = db.execute("SELECT COALESCE(SUM(cost_nano), 0) FROM usage_events WHERE org_id = ?"
+                               " AND created_at >= ?", (org_id, month_start)).fetchone()[0]
+            if key_since is None:
+                key = db.execute("SELECT spend_nano FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+            else:
+                key = db.execute("SELECT COALESCE(SUM(cost_nano), 0) FROM usage_events WHERE key_id = ?"
+                                 " AND created_at >= ?", (key_id, key_since)).fetchone()
+            return Balances(credits[0], credits[1], month, key[0] if key else 0)
+
+        return await self._run(query)
+
+    async def credit_balances(self) -> CreditBalances:
+        def query(db: sqlite3.Connection) -> CreditBalances:
+            return {r[0]: (r[1], r[2]) for r in db.execute("SELECT id, credits_nano, credits_version FROM orgs")}
+
+        return await self._run(query)
+
+    async def listen(self, on_change: OnChange) -> None:
+        """One process owns the file: nobody else changes it."""
 
     async def key_spend_since(self, since: float) -> dict[str, int]:
         def query(db: sqlite3.Connection) -> dict[str, int]:
@@ -274,10 +330,24 @@ class _tx:
         self.db.execute("BEGIN IMMEDIATE")
 
     def __exit__(self, exc_type: object, *_: object) -> None:
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+        if not exc_type:
+            self.db.execute("COMMIT")
+        elif self.db.in_transaction:  # SQLite may have rolled back already (e.g. disk full)
+            self.db.execute("ROLLBACK")
 
 
-def _migrate(db: sqlite3.Connection) -> None:
-    version = db.execute("PRAGMA user_version").fetchone()[0]
-    for number, sql in enumerate(MIGRATIONS[version:], start=version + 1):
-        db.executescript(f"BEGIN; {sql}; PRAGMA user_version = {number}; COMMIT;")
+def _migrate(db: sqlite3.Connection) -> list[str]:
+    """Apply the pending migrations, each in its own transaction with its record; a file
+    from before named migrations (PRAGMA user_version) is converted first."""
+    db.execute("CREATE TABLE IF NOT EXISTS kiln_migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    applied = {r[0] for r in db.execute("SELECT name FROM kiln_migrations")}
+    legacy = db.execute("PRAGMA user_version").fetchone()[0]  # left as it is: older versions still read it
+    if legacy and not applied:
+        applied = set(LEGACY_ORDER[:legacy])
+        db.executemany("INSERT INTO kiln_migrations VALUES (?, ?)", [(name, time.time()) for name in applied])
+    todo = pending(MIGRATIONS, applied)
+    for migration in todo:
+        db.executescript(f"BEGIN; {migration.sql}; INSERT INTO kiln_migrations VALUES "
+                         f"('{migration.name}', {time.time()}); COMMIT;")
+        log.info("applied migration %s", migration.name)
+    return [m.name for m in todo]

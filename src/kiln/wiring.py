@@ -1,0 +1,109 @@
+"""Build the gateway's stateful parts from the settings, and close them in order.
+
+One gateway process (the embedded default): SQLite, in-process admission, no
+spool. Several processes or replicas: PostgreSQL (the truth: keys, balances,
+the ledger), Redis for admission shared by all (`redis_url`), a durable local
+spool for usage events while PostgreSQL is unreachable, and change notices so
+every process takes a change within a second.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from kiln.config import Settings
+from kiln.core.accounts import ADMIN_HASH_META, Accounts
+from kiln.core.admission import AdmissionControl, MemoryAdmission
+from kiln.core.clock import CLOCK, Clock
+from kiln.core.keys import hash_key
+from kiln.core.ledger import Ledger
+from kiln.core.propagation import Propagation, load_maintenance
+from kiln.core.spool import Spool
+from kiln.store import make_store
+from kiln.store.base import Store
+
+log = logging.getLogger("kiln")
+
+
+@dataclass
+class Parts:
+    store: Store
+    accounts: Accounts
+    admission: AdmissionControl
+    ledger: Ledger
+    propagation: Propagation | None = None
+
+
+async def open_parts(settings: Settings, *, store: Store | None = None, admission: AdmissionControl | None = None,
+                     clock: Clock = CLOCK, on_metrics: Callable[[float, int], None] | None = None) -> Parts:
+    """Store, caches, admission and ledger, open and running; `store` and `admission` if given
+    (a test building a gateway in process), else from the settings."""
+    store = store or make_store(settings.database_url, settings.sqlite_synchronous, settings.database_pool)
+    await store.open()
+    if settings.admin_key:  # the only admin credential: it replaces the stored one (rotation)
+        await store.set_meta(ADMIN_HASH_META, hash_key(settings.admin_key))
+    redis_admission = None
+    if admission is None and settings.redis_url:
+        from kiln.core.admission_redis import RedisAdmission  # hiredis is an optional dependency
+
+        redis_admission = RedisAdmission(settings.redis_url, settings.limits, store, settings.redis_prefix, clock)
+    accounts = Accounts(store, clock, take_balances=redis_admission is not None)
+    await accounts.load()
+    spool = None
+    if store.shared:  # the database may be unreachable for a while: usage waits on local disk
+        spool = Spool(settings.data_dir / "spool")
+        spool.open()
+    if redis_admission is not None:
+        accounts.on_credits = redis_admission.push_balances
+        admission = redis_admission
+    elif admission is None:
+        if store.shared:  # one gateway on PostgreSQL is fine; a second one without Redis is refused
+            await store.hold_sole_admission()  # type: ignore[attr-defined]
+        admission = MemoryAdmission(settings.limits, clock)
+    ledger = Ledger(store, wait_s=settings.ledger_wait_s, spool=spool,
+                    dead_letter_file=settings.data_dir / "dead-letters.jsonl",
+                    on_commit=redis_admission.committed if redis_admission else None,
+                    on_balances=accounts.take_credits if redis_admission else None, on_metrics=on_metrics)
+    parts = Parts(store, accounts, admission, ledger)
+    await ledger.start()
+    if redis_admission is not None:
+        redis_admission.ledger = ledger
+        await redis_admission.start()
+    return parts
+
+
+async def start_propagation(parts: Parts, settings: Settings, maintenance: Any) -> None:
+    """Load the stored maintenance mode into the gateway's, and, on a shared database, keep
+    keys, limits, balances and maintenance in step with the other processes."""
+    await load_maintenance(parts.store, maintenance)
+    if parts.store.shared:
+        push = getattr(parts.admission, "push_balances", None)
+        parts.propagation = Propagation(parts.store, parts.accounts, maintenance, settings.refresh_s, push)
+        await parts.propagation.start()
+
+
+async def close_parts(parts: Parts) -> None:
+    """Stop in order: notices; lease renewing and sweeping; the ledger (flushes, reports commits to
+    admission); admission (settles that waited for Redis); the store."""
+    redis_admission = parts.admission if hasattr(parts.admission, "stop_tasks") else None
+    if parts.propagation is not None:
+        await parts.propagation.stop()
+    if redis_admission is not None:
+        await redis_admission.stop_tasks()  # type: ignore[attr-defined]
+    await parts.ledger.stop()
+    if redis_admission is not None:
+        await redis_admission.close()  # type: ignore[attr-defined]
+    await parts.store.close()
+
+
+def degraded(gateway: Any) -> list[str]:
+    """Why this process refuses metered requests now (empty: it serves them). A database that
+    is unreachable while the spool takes the usage is no refusal, only a note."""
+    problems = []
+    if gateway.ledger.degraded:
+        problems.append(f"ledger cannot write: {gateway.ledger.failure}")
+    if getattr(gateway.admission, "reachable", True) is False:
+        problems.append("shared admission (Redis) unreachable")
+    return problems

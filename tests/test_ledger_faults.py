@@ -1,0 +1,146 @@
+"""The ledger under faults: one bad event never wedges it, a full disk never hangs a request.
+
+The bad-event tests drive the real Ledger on the real stores (SQLite and the
+machine's PostgreSQL, a schema of its own) in this process: an event whose
+cost no BIGINT holds is the bad one. The disk-full test runs a real gateway
+whose data directory is a 4 MiB tmpfs, filled up while it serves: a real
+ENOSPC under SQLite, as on a full disk (a file-size rlimit would raise a
+different error and SIGXFSZ; SQLite's max_page_count would fail the file's
+growth but not its WAL's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import asyncpg
+import httpx
+import pytest
+
+from conftest import Sim, catalog_toml, start_gateway, stop, wait_for
+from kiln.core.accounts import Accounts
+from kiln.core.ledger import Ledger
+from kiln.core.records import UsageEvent
+from kiln.store.postgres import PostgresStore
+from kiln.store.sqlite import SQLiteStore
+
+DSN = "postgresql://postgres@127.0.0.1:5432/test"
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_factory(request: Any, tmp_path: Path) -> Iterator[Any]:
+    if request.param == "sqlite":
+        yield lambda: SQLiteStore(tmp_path / "kiln.db")
+        return
+    schema = f"kiln_ledger_{secrets.token_hex(4)}"
+    yield lambda: PostgresStore(DSN, schema)
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(DSN)
+        try:
+            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        finally:
+            await conn.close()
+
+    asyncio.run(drop())
+
+
+def _events(org_id: str, project_id: str, key_id: str, n: int) -> list[UsageEvent]:
+    return [UsageEvent(id=f"gen-{secrets.token_hex(6)}", created_at=time.time(), org_id=org_id,
+                       project_id=project_id, key_id=key_id, model="m", endpoint="chat.completions",
+                       prompt_tokens=10, completion_tokens=5, cost_nano=1000) for _ in range(n)]
+
+
+def test_a_bad_event_is_set_aside_and_the_rest_commit(store_factory: Any, tmp_path: Path) -> None:
+    async def run() -> None:
+        store = store_factory()
+        await store.open()
+        accounts = Accounts(store)
+        org = await accounts.create_org("o")
+        await accounts.add_credits(org.id, 1_000_000_000)
+        project = await accounts.create_project(org.id, "p")
+        key, _ = await accounts.create_key(project.id)
+        ledger = Ledger(store, dead_letter_file=tmp_path / "dead-letters.jsonl")
+        await ledger.start()
+        try:
+            events = _events(org.id, project.id, key.id, 40)
+            events[17].cost_nano = 2**70  # no BIGINT holds it
+            await asyncio.wait_for(asyncio.gather(*[ledger.submit(e) for e in events]), 20)  # one batch
+            totals = await store.usage_totals(org.id)
+            assert totals["events"] == 39 and totals["cost_nano"] == 39 * 1000
+            assert (await store.balances(org.id, key.id, 0.0, None)).credits_nano == 1_000_000_000 - 39 * 1000
+            assert ledger.stats["dead_lettered"] == 1 and not ledger.degraded
+            assert await _dead_letters(store) == [events[17].id]
+            # The ledger goes on, and a batch written twice bills once.
+            more = _events(org.id, project.id, key.id, 3)
+            await asyncio.wait_for(asyncio.gather(*[ledger.submit(e) for e in more]), 10)
+            assert await store.record_usage(more + events[:5]) == {}, "nothing was inserted, nothing moved"
+            totals = await store.usage_totals(org.id)
+            assert totals["events"] == 42 and totals["cost_nano"] == 42 * 1000
+        finally:
+            await ledger.stop()
+            await store.close()
+
+    asyncio.run(run())
+
+
+async def _dead_letters(store: Any) -> list[str]:
+    if isinstance(store, SQLiteStore):
+        return await store._run(lambda db: [r[0] for r in db.execute("SELECT event_id FROM usage_dead_letters")])
+    return [r[0] for r in await store._pool.fetch("SELECT event_id FROM usage_dead_letters")]
+
+
+@pytest.fixture
+def small_disk() -> Iterator[Path]:
+    mount = Path(tempfile.mkdtemp(prefix="kiln-full-"))
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_503s_after_a_bounded_wait_and_recovers(sim: Sim, small_disk: Path) -> None:
+    config = catalog_toml(sim.url).replace("[server]\n", "[server]\nledger_wait_s = 2\n", 1)
+    gw = start_gateway(config, args=("--data-dir", str(small_disk)))
+    try:
+        t = gw.new_key()
+        body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+        client = t.http()
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        filler = small_disk / "filler"
+        subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)  # until ENOSPC
+        answers: list[tuple[int, float, str]] = []
+        for _ in range(400):  # SQLite reuses its WAL's pages until the WAL must grow
+            started = time.monotonic()
+            r = client.post("/v1/chat/completions", json=body)
+            answers.append((r.status_code, time.monotonic() - started, r.text))
+            if r.status_code == 503:
+                break
+        status, waited, text = answers[-1]
+        assert status == 503 and "ledger" in text, answers[-3:]
+        assert waited < 6, "the request waited a bounded time, it did not hang"
+        health = httpx.get(gw.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "degraded"
+        started = time.monotonic()
+        refused = client.post("/v1/chat/completions", json=body)
+        assert refused.status_code == 503 and refused.headers["retry-after"]
+        assert time.monotonic() - started < 1, "new requests are refused at once while the ledger cannot write"
+        served = sum(1 for s, _, _ in answers if s == 200) + 1
+        filler.unlink()
+        wait_for(lambda: httpx.get(gw.url + "/health", timeout=5).status_code == 200, timeout=15,
+                 what="the ledger writing again")
+        assert client.post("/v1/chat/completions", json=body).status_code == 200
+        # Every event is there once: those served, the one that got a 503 after its wait, the last one.
+        assert len(t.usage()) == served + 2
+        org = t.org()
+        assert int(org["usage_events"]) == served + 2
+        client.close()
+    finally:
+        stop(gw.proc)
