@@ -1,7 +1,7 @@
 """The admin HTTP API under /admin/v1 (admin credential required).
 
-Organisations, projects, keys, credits, budgets, limits, usage and
-maintenance. Amounts go in and out as decimal USD strings (numbers are
+Organisations, projects, keys, credits, budgets, limits, usage,
+maintenance and the backends' health. Amounts go in and out as decimal USD strings (numbers are
 accepted on input) and are stored as exact nanodollars.
 """
 
@@ -224,6 +224,15 @@ async def set_maintenance(request: Request, gw: Gateway, body: dict[str, Any]) -
     return await get_maintenance(request, gw, body)
 
 
+async def list_backends(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
+    """Every backend: state (healthy, ejected, down), requests in flight, latency, last error."""
+    r = gw.router.routing
+    routing = {"affinity": r.affinity, "affinity_balance": r.affinity_balance, "retries": r.retries,
+               "queue_timeout_s": r.queue_timeout_s, "eject_after": r.eject_after,
+               "health_interval_s": gw.router.health_interval_s}
+    return {"object": "list", "data": gw.router.status(), "routing": routing}
+
+
 async def advance_clock(request: Request, gw: Gateway, body: dict[str, Any]) -> Any:
     """Test-only (KILN_TEST_CLOCK=1): move the gateway's clock forward."""
     seconds = body.get("seconds")
@@ -275,5 +284,6 @@ routes = [
     Route("/admin/v1/usage", _endpoint(list_usage), methods=["GET"]),
     Route("/admin/v1/maintenance", _endpoint(get_maintenance), methods=["GET"]),
     Route("/admin/v1/maintenance", _endpoint(set_maintenance), methods=["PUT"]),
+    Route("/admin/v1/backends", _endpoint(list_backends), methods=["GET"]),
 ]
 test_routes = [Route("/admin/v1/clock", _endpoint(advance_clock), methods=["POST"])]

@@ -25,6 +25,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from kiln.affinity import affinity_key
 from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
 from kiln.core import errors
@@ -37,8 +38,9 @@ from kiln.core.ledger import Ledger, new_generation_id
 from kiln.core.records import ApiKey, UsageEvent
 from kiln.http import StreamResponse, Write, read_body, wait_disconnect
 from kiln.protocols.base import Translator
-from kiln.router import Router
-from kiln.upstream import Upstream, sse_batches, upstream_error
+from kiln.health import Outcome
+from kiln.router import Lease, Router, outcome_of
+from kiln.upstream import Upstream, sse_batches
 
 log = logging.getLogger("kiln.pipeline")
 
@@ -76,6 +78,9 @@ class _Call:
     backend: Backend | None = None
     body: dict[str, Any] | None = None
     ttft_ms: float | None = None
+    affinity: str | None = None  # the routing key: requests of one conversation share it
+    lease: Lease | None = None  # the backend's in-flight slot, released with the outcome in _finish
+    outcome: Outcome = Outcome.OK
 
 
 class Gateway:
@@ -132,7 +137,8 @@ class Gateway:
         if ticket.capped:  # the money left covers less output than asked: ask the backend for less
             upstream_body.pop("max_completion_tokens", None)
             upstream_body["max_tokens"] = ticket.output_tokens // ticket.outputs
-        call = _Call(key, tr, ticket, started, generation_id, body=upstream_body)
+        call = _Call(key, tr, ticket, started, generation_id, body=upstream_body,
+                     affinity=affinity_key(body, tr.endpoint, request.headers))
         self.in_flight += 1
         try:
             if tr.stream:
@@ -148,24 +154,11 @@ class Gateway:
     # -- calling the backend ------------------------------------------------
 
     async def _send(self, call: _Call) -> aiohttp.ClientResponse:
-        """POST to the first backend that accepts the connection; raise the mapped error otherwise."""
-        last: Exception | None = None
-        for backend in self.router.candidates(call.tr.model):
-            call.backend = backend
-            try:
-                resp = await self.upstream.post(backend, call.tr.upstream_path, call.tr.upstream_body(backend))
-            except (aiohttp.ClientConnectionError, OSError) as exc:
-                if isinstance(exc, aiohttp.ServerDisconnectedError):
-                    raise errors.bad_gateway("The model backend closed the connection.") from exc
-                self.router.failed(backend)
-                last = exc
-                continue
-            if resp.status != 200:
-                raw = await resp.read()
-                resp.release()
-                raise upstream_error(resp.status, raw)
-            return resp
-        raise errors.bad_gateway(f"The model backend is unreachable ({type(last).__name__}).")
+        """POST to a backend chosen by the router, which fails over before the first byte."""
+        resp, call.lease = await self.router.send(
+            call.tr.model, call.tr.upstream_path, call.tr.upstream_body, call.affinity, call.tr.stream)
+        call.backend = call.lease.backend
+        return resp
 
     async def _complete(self, call: _Call, request: Request) -> Response:
         """Non-streaming: one upstream JSON body, cancelled if the client leaves."""
@@ -190,6 +183,7 @@ class Gateway:
             call.tr.response(raw)
         except _MALFORMED as exc:
             log.exception("malformed response from %s", call.backend.url if call.backend else "?")
+            call.outcome = Outcome.ERROR
             raise errors.bad_gateway("The model backend returned a malformed response.") from exc
         event = await self._meter(call)
         headers = {GENERATION_HEADER: call.generation_id}
@@ -202,6 +196,7 @@ class Gateway:
         try:
             return await resp.read()
         except aiohttp.ClientError as exc:
+            call.outcome = Outcome.ERROR
             raise errors.bad_gateway("The model backend closed the connection mid-response.") from exc
         finally:
             resp.release()
@@ -293,6 +288,7 @@ class Gateway:
             else:
                 log.exception("malformed stream from %s", call.backend.url if call.backend else "?")
                 err, status = errors.bad_gateway("The model backend sent a malformed stream."), "error"
+            call.outcome = outcome_of(exc)
             await self._meter(call, status=status)
             await write(tr.stream_error(err))
         finally:
@@ -360,7 +356,10 @@ class Gateway:
             log.warning("usage for %s estimated without the backend's tokenizer", call.generation_id)
 
     async def _finish(self, call: _Call, cost_nano: int = 0, tokens: int = 0) -> None:
-        """Charge the cost and release the request's admission (reservation and slot); idempotent."""
+        """Charge the cost and release the request's admission (reservation and slot) and its
+        backend lease; idempotent."""
+        if call.lease is not None:
+            call.lease.release(call.outcome)
         if not call.ticket.released:
             self.in_flight -= 1
             key = call.key

@@ -1,6 +1,6 @@
 """The pooled HTTP client to model servers, and what their errors mean.
 
-aiohttp with one keep-alive connector for all backends: the measured
+aiohttp with keep-alive connection pools (one per backend): the measured
 difference to httpx on this path is an order of magnitude. Errors from
 vLLM, SGLang and llama.cpp come in three shapes; `upstream_error` turns any
 of them into one GatewayError the client's protocol can render.
@@ -26,47 +26,74 @@ _TOKENS_IN_MESSAGE = re.compile(r"(\d+) input tokens|input \((\d+) tokens\)|requ
 
 
 class Upstream:
-    def __init__(self, connect_timeout_s: float = 10.0, read_timeout_s: float = 3600.0) -> None:
-        self.connect_timeout_s = connect_timeout_s
-        self.read_timeout_s = read_timeout_s
-        self.session: aiohttp.ClientSession | None = None
+    """One connection pool per backend, sized to its max_in_flight, so a busy backend cannot
+    starve the others of connections; and one small pool for health checks and /tokenize,
+    so those still get through when a backend's pool is full."""
+
+    def __init__(self) -> None:
+        self.session: aiohttp.ClientSession | None = None  # health checks, /tokenize
+        self._pools: dict[Backend, aiohttp.ClientSession] = {}
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.connect_timeout_s),
-            json_serialize=lambda o: orjson.dumps(o).decode(),
-            auto_decompress=True,
-            skip_auto_headers=("User-Agent",),
-        )
+        self.session = _session(aiohttp.TCPConnector(limit=64, keepalive_timeout=60, ttl_dns_cache=300))
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        sessions = [self.session, *self._pools.values()] if self.session else list(self._pools.values())
+        self.session = None
+        self._pools.clear()
+        for session in sessions:
+            await session.close()
 
-    async def post(self, backend: Backend, path: str, body: bytes) -> aiohttp.ClientResponse:
+    def _pool(self, backend: Backend) -> aiohttp.ClientSession:
+        pool = self._pools.get(backend)
+        if pool is None:
+            connector = aiohttp.TCPConnector(limit=backend.max_in_flight, keepalive_timeout=60, ttl_dns_cache=300)
+            pool = self._pools[backend] = _session(connector)
+        return pool
+
+    async def post(self, backend: Backend, path: str, body: bytes, stream: bool = False) -> aiohttp.ClientResponse:
         """Send a request and return once the status and headers are in.
 
-        Connection failures raise aiohttp.ClientError; the caller decides
+        The connect timeout is the backend's; a stream also gets its idle
+        timeout between reads (a non-streaming answer is silent until done).
+        Failures raise aiohttp.ClientError or TimeoutError; the router decides
         whether to try another backend.
         """
-        assert self.session is not None
         headers = {"Content-Type": "application/json"}
         if backend.api_key:
             headers["Authorization"] = f"Bearer {backend.api_key}"
-        return await self.session.post(backend.url + path, data=body, headers=headers)
+        t = backend.timeouts
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_s if stream else None)
+        return await self._pool(backend).post(backend.url + path, data=body, headers=headers, timeout=timeout)
 
-    async def ping(self, url: str, timeout_s: float = 5.0) -> bool:
-        """True if GET url answers 2xx."""
+    async def probe(self, backend: Backend, timeout_s: float = 5.0) -> tuple[str | None, bool]:
+        """Health check: GET /health, or /v1/models on a server without /health (404).
+
+        (None, _) when it answers 2xx; else what went wrong and whether the
+        server could not be reached at all. vLLM's /health fails when its
+        engine is dead while /v1/models still answers, so only a 404 falls back.
+        """
         assert self.session is not None
-        try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                await resp.read()
-                return resp.status < 300
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+        headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None
+        status = 0
+        for url in (backend.url.removesuffix("/v1") + "/health", backend.url + "/models"):
+            try:
+                async with self.session.get(
+                    url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+                ) as resp:
+                    await resp.read()
+                    status = resp.status
+            except aiohttp.ClientConnectorError as exc:
+                return f"unreachable: {exc.os_error or exc}", True
+            except TimeoutError:
+                return f"no answer within {timeout_s:g} s", False
+            except aiohttp.ClientError as exc:
+                return type(exc).__name__, False
+            if status < 300:
+                return None, False
+            if status not in (404, 405):
+                break
+        return f"HTTP {status}", False
 
     async def post_json(self, backend: Backend, url: str, payload: object, timeout_s: float = 10.0) -> object:
         assert self.session is not None
@@ -76,6 +103,16 @@ class Upstream:
         ) as resp:
             resp.raise_for_status()
             return await resp.json(loads=orjson.loads, content_type=None)
+
+
+def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        json_serialize=lambda o: orjson.dumps(o).decode(),
+        auto_decompress=True,
+        skip_auto_headers=("User-Agent",),
+    )
 
 
 async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
@@ -93,6 +130,8 @@ async def sse_batches(resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]
             events, buf = _split_events(buf + piece)
             if events:
                 yield events
+    except aiohttp.ServerTimeoutError as exc:  # the backend's idle timeout between reads
+        raise errors.timeout("The model backend stopped sending (idle timeout).") from exc
     except aiohttp.ClientPayloadError:
         # aiohttp raises before handing out what it had buffered; take it first.
         pending = getattr(resp.content, "_buffer", ())
