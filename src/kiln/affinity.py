@@ -145,14 +145,14 @@ def _hash64(text: str) -> int:
 
 
 def _opening(conversation: Any) -> Any:
-    """The turns up to and including the first user message (all of a string prompt)."""
+    """The turns up to and including the first user message; a completions prompt (the first of a batch)."""
     if not isinstance(conversation, list):
         return conversation
+    if conversation and not isinstance(conversation[0], dict):  # completions: token ids, or a batch
+        return conversation if isinstance(conversation[0], int) else conversation[0]
     for i, item in enumerate(conversation):
         if isinstance(item, dict) and item.get("role") == "user":
             return conversation[: i + 1]
-        if not isinstance(item, dict):  # a completions prompt list, or token ids
-            return conversation[:1]
     return conversation
 
 
