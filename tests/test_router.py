@@ -290,7 +290,7 @@ def test_failover_only_before_the_answer_and_never_on_a_4xx() -> None:
 
 
 def test_affinity_keeps_a_session_on_one_backend_and_spills_over_under_load() -> None:
-    with cluster("abc") as c:
+    with cluster("abc", routing="affinity_balance = 0.25") as c:
         def served(send: Callable[[], httpx.Response], n: int) -> dict[str, int]:
             c.reset()
             for _ in range(n):

@@ -49,7 +49,10 @@ class Routing:
     """How requests are spread over a model's backends, and when a backend counts as failing."""
 
     affinity: bool = True  # keep a conversation on one backend (its prefix cache); false: least loaded only
-    affinity_balance: float = 0.25  # ε: a backend keeps a key while its load is under (1 + ε) × its share
+    # ε: a backend keeps a key while its load is under (1 + ε) × its share. A miss costs a whole
+    # prefill, so the default tolerates twice the average (bench/affinity.py: 0.25 kept 79-92% of
+    # turns on a warm replica, 1.0 kept 99%)
+    affinity_balance: float = 1.0
     retries: int = 2  # other backends tried after a failure before the first byte
     queue_timeout_s: float = 5.0  # all backends at max_in_flight: wait this long for one, then 503
     eject_after: int = 5  # failed requests in a row (5xx, timeout, broken stream) that eject a backend

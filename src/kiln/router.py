@@ -107,9 +107,14 @@ class Router:
         return _least_loaded(open_)
 
     def _bounded(self, model: Model, key: str, pool: list[Backend], open_: list[Backend]) -> Backend | None:
-        """The first backend on the key's ring whose load is under its bound (bounded-load hashing)."""
-        load = sum(b.state.in_flight for b in pool) + 1  # with this request
+        """The first backend on the key's ring whose load is under its bound (bounded-load hashing).
+
+        The average is taken as at least one request per unit of weight: below
+        that no backend is busy, and a strict bound would split sessions that
+        merely arrive together.
+        """
         weight = sum(b.weight for b in pool)
+        load = max(sum(b.state.in_flight for b in pool) + 1, weight)  # with this request
         share = (1 + self.routing.affinity_balance) * load / weight
         for b in self._rings[model.id].walk(key):
             if b in open_ and b.state.in_flight < math.ceil(share * b.weight):
