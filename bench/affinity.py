@@ -156,7 +156,8 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                 usage = {"prompt": u["input_tokens"], "cached": u["input_tokens_details"]["cached_tokens"]}
             elif event == "message_delta":
                 u = data["usage"]
-                usage = {"prompt": u["input_tokens"] + u["cache_read_input_tokens"], "cached": u["cache_read_input_tokens"]}
+                cached = u["cache_read_input_tokens"]
+                usage = {"prompt": u["input_tokens"] + cached, "cached": cached}
             elif event in ("error", "response.failed"):
                 raise BenchError(f"{url}: stream error: {line}")
     if first is None or not usage:
@@ -189,7 +190,8 @@ async def claude_session(http_: aiohttp.ClientSession, gw: str, key: str, n: int
     messages: list[dict[str, Any]] = [{"role": "user", "content": text(rng, args.context_tokens)}]
     headers = {"x-api-key": key, "anthropic-version": "2023-06-01", "X-Claude-Code-Session-Id": session_id}
     for t in range(args.turns):
-        system = [{"type": "text", "text": f"x-anthropic-billing-header: cc_version=2.1.90; cch={rng.getrandbits(20):05x};"},
+        billing = f"x-anthropic-billing-header: cc_version=2.1.90; cch={rng.getrandbits(20):05x};"
+        system = [{"type": "text", "text": billing},
                   {"type": "text", "text": shared, "cache_control": {"type": "ephemeral"}}]
         body = {"model": MODEL, "system": system, "messages": messages, "stream": True, "max_tokens": 64,
                 "metadata": {"user_id": user_id}}
@@ -250,7 +252,8 @@ def main() -> None:
             run_arm(args, "affinity off (least in flight)", REPLICAS, False),
             # The ceiling: one replica sees every turn (its cache holds the whole workload).
             run_arm(args, "one replica (ceiling)", 1, True)]
-    print(f"\n{args.sessions} sessions × {args.turns} turns on {REPLICAS} replicas; shared prefix {args.shared_tokens}, "
+    print(f"\n{args.sessions} sessions × {args.turns} turns on {REPLICAS} replicas; "
+          f"shared prefix {args.shared_tokens}, "
           f"session context {args.context_tokens}, +{args.turn_tokens} tokens a turn; prefill "
           f"{args.prefill_us_per_token:g} µs per uncached token\n")
     print("| routing | cached-token ratio | turns 2+ | turns 2+ on a warm replica | TTFT p50 ms | TTFT p90 ms "
@@ -261,7 +264,8 @@ def main() -> None:
         p90 = ttfts[int(0.9 * (len(ttfts) - 1))]
         print(f"| {arm.name} | {arm.ratio():.3f} | {arm.ratio(first_turn=False):.3f} | {arm.stayed():.2f} "
               f"| {statistics.median(ttfts):.0f} "
-              f"| {p90:.0f} | {statistics.fmean(ttfts):.0f} | {' '.join(map(str, arm.per_replica))} | {arm.seconds:.1f} |")
+              f"| {p90:.0f} | {statistics.fmean(ttfts):.0f} | {' '.join(map(str, arm.per_replica))} "
+              f"| {arm.seconds:.1f} |")
 
 
 

@@ -58,7 +58,8 @@ def test_openai_user_and_safety_identifier() -> None:
 
 
 def test_prompt_digest_stays_the_same_while_the_conversation_grows() -> None:
-    turn1 = [{"role": "user", "content": [{"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}]}]
+    marked = {"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}
+    turn1 = [{"role": "user", "content": [marked]}]
     turn2 = [
         {"role": "user", "content": [{"type": "text", "text": "fix the bug"}]},  # cache_control moved on
         {"role": "assistant", "content": [{"type": "text", "text": "Done."}]},
@@ -78,7 +79,8 @@ def test_prompt_digest_per_endpoint() -> None:
     assert prompt_digest(chat, "chat.completions") == prompt_digest(grown, "chat.completions")
     responses = {"instructions": "I", "input": [{"role": "user", "content": "Q"}]}
     assert prompt_digest(responses, "responses") != prompt_digest({**responses, "instructions": "J"}, "responses")
-    assert prompt_digest({"prompt": "Once upon"}, "completions") == prompt_digest({"prompt": ["Once upon", "x"]}, "completions")
+    batch = prompt_digest({"prompt": ["Once upon", "x"]}, "completions")
+    assert prompt_digest({"prompt": "Once upon"}, "completions") == batch
     assert prompt_digest({"model": "m"}, "chat.completions") is None
 
 

@@ -96,14 +96,17 @@ def prompt_digest(body: dict[str, Any], endpoint: str) -> str | None:
     fed = False
     for name in fields:
         value = body.get(name)
-        if value is None:
+        if not value:
             continue
-        if name == fields[-1]:
-            value = _opening(value)
-        if name == "system":
-            value = _without_billing(value)
-        fed |= _feed(h, value, PART_BYTES) < PART_BYTES
-        h.update(b"\x00")
+        if name == "tools" and isinstance(value, list):
+            data = _opening_bytes(value)
+        elif name in ("system", "instructions"):
+            data = _system_text(value)[:PART_BYTES].encode()
+        else:
+            data = b""
+            _feed(h, _opening(value), PART_BYTES)
+        h.update(data + b"\x00")
+        fed = True
     return h.hexdigest() if fed else None
 
 
@@ -156,13 +159,24 @@ def _opening(conversation: Any) -> Any:
     return conversation
 
 
-def _without_billing(system: Any) -> Any:
-    if isinstance(system, str):
-        return "" if system.startswith(BILLING_PREFIX) else system
+def _system_text(system: Any) -> str:
+    """System text (a string or text blocks) without Claude Code's billing header."""
     if isinstance(system, list):
-        return [b for b in system
-                if not (isinstance(b, dict) and str(b.get("text", "")).startswith(BILLING_PREFIX))]
-    return system
+        texts = (b.get("text") for b in system if isinstance(b, dict))
+        return "\x1f".join(t for t in texts if isinstance(t, str) and not t.startswith(BILLING_PREFIX))
+    if isinstance(system, str) and not system.startswith(BILLING_PREFIX):
+        return system
+    return ""
+
+
+def _opening_bytes(items: list[Any]) -> bytes:
+    """The first PART_BYTES of a list's JSON, one item at a time (tools are small; their list may not be)."""
+    out = b""
+    for item in items:
+        out += orjson.dumps(item)
+        if len(out) >= PART_BYTES:
+            break
+    return out[:PART_BYTES]
 
 
 def _feed(h: Any, value: Any, budget: int) -> int:

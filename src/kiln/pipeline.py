@@ -137,8 +137,8 @@ class Gateway:
         if ticket.capped:  # the money left covers less output than asked: ask the backend for less
             upstream_body.pop("max_completion_tokens", None)
             upstream_body["max_tokens"] = ticket.output_tokens // ticket.outputs
-        call = _Call(key, tr, ticket, started, generation_id, body=upstream_body,
-                     affinity=affinity_key(body, tr.endpoint, request.headers))
+        affinity = affinity_key(body, tr.endpoint, request.headers) if self.router.uses_affinity(tr.model) else None
+        call = _Call(key, tr, ticket, started, generation_id, body=upstream_body, affinity=affinity)
         self.in_flight += 1
         try:
             if tr.stream:

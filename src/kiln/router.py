@@ -88,6 +88,10 @@ class Router:
 
     # -- choosing -----------------------------------------------------------------
 
+    def uses_affinity(self, model: Model) -> bool:
+        """Whether a routing key can matter for this model (else the caller need not compute one)."""
+        return self.routing.affinity and len(model.backends) > 1
+
     def pick(self, model: Model, affinity: str | None, exclude: Sequence[Backend] = ()) -> Backend | None:
         """The backend for a request now, or None if every candidate is full; NoBackend if none is left."""
         pool = [b for b in model.backends if b.state.status == HEALTHY and b not in exclude]
