@@ -98,7 +98,7 @@ class BackendState:
     def check_passed(self) -> bool:
         """A health check answered; True if that re-admitted the backend."""
         self.check_failures = 0
-        if self.status == DOWN or (self.status == EJECTED and time.monotonic() >= self.until):
+        if self.status != HEALTHY and time.monotonic() >= self.until:  # an ejection runs its course
             self._become(HEALTHY, "health check passed")
             return True
         return False
