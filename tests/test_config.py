@@ -319,3 +319,33 @@ def test_log_and_metrics_settings_load(tmp_path: Path) -> None:
     assert (settings.metrics.port, settings.metrics.host, settings.metrics.org_label) == (9464, "0.0.0.0", True)
     defaults = config.load(None, env={})
     assert (defaults.log.format, defaults.log.level, defaults.metrics.port) == ("auto", "info", None)
+
+
+def test_routing_mistakes_are_reported_with_their_place(tmp_path: Path) -> None:
+    out = problems(serve(tmp_path, """
+        [routing]
+        affinity = "yes"
+        retries = -1
+        headers_timeout_s = 0
+        ejection_s = 60
+        max_ejection_s = 10
+        affinty_balance = 1
+
+        [[models]]
+        id = "m1"
+        context_window = 4096
+        prices = { input = "1", output = "2" }
+        [[models.backends]]
+        url = "http://127.0.0.1:9/v1"
+        weight = 0
+        max_in_flight = "many"
+        idle_timeout_s = -5
+    """))
+    line_with(out, "routing.affinity", "true or false")
+    line_with(out, "routing.retries", "integer >= 0")
+    line_with(out, "routing.headers_timeout_s", "seconds > 0")
+    line_with(out, "routing.max_ejection_s", "routing.ejection_s")
+    line_with(out, "routing.affinty_balance", "affinity_balance")
+    line_with_any(out, ("models[m1].backends[0].weight", "positive integer"))
+    line_with(out, "models[m1].backends[0].max_in_flight", "positive integer")
+    line_with(out, "models[m1].backends[0].idle_timeout_s", "seconds > 0")

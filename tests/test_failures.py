@@ -78,7 +78,8 @@ def test_a_key_revoked_while_it_streams_is_stopped_at_its_next_extension(gateway
 @pytest.fixture(scope="module")
 def impatient(sim: Sim) -> Iterator[Gateway]:
     """A gateway with a 2 s request deadline and a 1 s stream idle limit."""
-    config = catalog_toml(sim.url).replace("[server]", "[server]\nrequest_timeout_s = 2\nstream_idle_timeout_s = 1")
+    config = catalog_toml(sim.url).replace("[server]", "[server]\nrequest_timeout_s = 2") + \
+        "\n[routing]\nidle_timeout_s = 1\n"
     gw = start_gateway(config)
     yield gw
     stop(gw.proc)

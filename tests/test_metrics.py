@@ -21,11 +21,11 @@ FAMILIES = {
     "kiln_requests", "kiln_tokens", "kiln_cost_usd", "kiln_org_tokens", "kiln_org_cost_usd",
     "gen_ai_client_token_usage", "gen_ai_client_operation_duration_seconds",
     "gen_ai_server_time_to_first_token_seconds", "gen_ai_server_time_per_output_token_seconds",
-    "kiln_gateway_overhead_seconds", "kiln_admission_refusals", "kiln_backend_in_flight",
+    "kiln_gateway_overhead_seconds", "kiln_admission_refusals",
     "kiln_keepalives_sent", "kiln_ledger_commit_seconds", "kiln_ledger_events_committed",
 }
 GATEWAY_FAMILIES = {"kiln_requests_in_flight", "kiln_ledger_queue_depth", "kiln_maintenance", "kiln_backend_up",
-                    "kiln_backend_failures"}
+                    "kiln_backend_state", "kiln_backend_in_flight", "kiln_backend_failures"}
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -97,19 +97,15 @@ def test_labels_come_from_closed_sets(fresh: None) -> None:
     assert set(metrics.ERROR_TYPES) >= {metrics.error_type(s) for s in range(100, 600)}
 
 
-def test_organisation_labels_backends_keepalives_and_the_ledger(fresh: None) -> None:
+def test_organisation_labels_keepalives_and_the_ledger(fresh: None) -> None:
     metrics.configure(["qwen3-32b"], org_label=True)
     metrics.record_request("completions", "qwen3-32b", 200, duration_s=0.4, prompt_tokens=7, completion_tokens=3,
                            cost_nano=2_000, org_id="org_b")
-    metrics.backend_started("http://10.0.0.5:8000/v1")
-    metrics.backend_started("http://10.0.0.5:8000/v1")
-    metrics.backend_finished("http://10.0.0.5:8000/v1")
     metrics.record_keepalive("messages")
     metrics.record_ledger_commit(0.003, 12)
     text = metrics.render().decode()
     assert value(text, "kiln_org_tokens_total", org="org_b", type="input") == 7
     assert value(text, "kiln_org_cost_usd_total", org="org_b") == pytest.approx(2e-6)
-    assert value(text, "kiln_backend_in_flight", backend="http://10.0.0.5:8000/v1") == 1
     assert value(text, "kiln_keepalives_sent_total", endpoint="messages") == 1
     assert value(text, "kiln_ledger_commit_seconds_bucket", le="0.0025") == 0
     assert value(text, "kiln_ledger_commit_seconds_bucket", le="0.005") == 1
@@ -137,9 +133,9 @@ def test_metrics_on_the_main_port_need_the_admin_credential(gateway: Gateway, te
     assert value(r.text, "kiln_maintenance") == 0
     up = {dict(labels)["model"]: v for (name, labels), v in samples(r.text).items() if name == "kiln_backend_up"}
     assert up == {"qwen3-32b": 1, "gpt-oss-120b": 1, "offline-model": 0}
-    offline = [v for (name, labels), v in samples(r.text).items()
-               if name == "kiln_backend_failures" and dict(labels)["model"] == "offline-model"]
-    assert offline and offline[0] >= 1
+    offline = {dict(labels)["state"]: v for (name, labels), v in samples(r.text).items()
+               if name == "kiln_backend_state" and dict(labels)["model"] == "offline-model"}
+    assert offline == {"healthy": 0, "ejected": 0, "down": 1}
 
 
 def test_metrics_on_their_own_port_need_no_credential(sim: Sim) -> None:

@@ -73,6 +73,8 @@ def test_requests_refusals_keepalives_and_log_lines(sim: Sim) -> None:
         assert total(m, "gen_ai_server_time_to_first_token_seconds_count") == 1  # the stream
         assert total(m, "kiln_gateway_overhead_seconds_count") >= 5
         assert total(m, "kiln_ledger_events_committed_total") >= 6
+        assert total(m, "kiln_backend_state", model=QWEN, state="healthy") == 1
+        assert total(m, "kiln_backend_in_flight", model=QWEN) == 0  # every lease released
 
         def logged() -> list[dict[str, Any]] | None:
             lines = access_lines(gw.log.read_text())

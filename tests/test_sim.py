@@ -617,3 +617,48 @@ def test_stream_continuous_usage_stats(sim: Sim) -> None:
     running = [c["usage"]["completion_tokens"] for c in chunks[:-1]]
     assert running[0] == 0 and running == sorted(running) and running[-1] == 5
     assert all(c["usage"]["prompt_tokens"] == final["usage"]["prompt_tokens"] for c in chunks)
+
+
+# --------------------------------------------------------------------------- replica identity and prefill cost
+
+
+def test_id_names_the_replica_in_headers_and_stats() -> None:
+    s = Sim("--model", MODEL, "--id", "replica-a")
+    try:
+        assert s.chat().headers["x-sim-id"] == "replica-a"
+        assert s.http.get("/health").headers["x-sim-id"] == "replica-a"
+        assert s.stats()["id"] == "replica-a"
+    finally:
+        s.close()
+
+
+def test_id_defaults_to_the_listening_address(sim: Sim) -> None:
+    assert sim.stats()["id"] == sim.base.removeprefix("http://")
+
+
+def test_prefill_cost_is_proportional_to_uncached_prompt_tokens() -> None:
+    """2000 µs per uncached token: a cold 600-token prompt takes over a second more than the same
+    prompt again, which the prefix cache serves but for its last block."""
+    s = Sim("--model", MODEL, "--prefill-us-per-token", "2000")
+    try:
+        messages = [{"role": "user", "content": "word " * 600}]
+        s.http.post("/sim/stats/reset")
+        times, usages = [], []
+        for _ in range(2):
+            start = time.monotonic()
+            r = s.chat(messages=messages, max_tokens=1)
+            times.append(time.monotonic() - start)
+            usages.append(r.json()["usage"])
+        cold, warm = usages
+        assert cold["prompt_tokens_details"]["cached_tokens"] == 0
+        uncached_warm = warm["prompt_tokens"] - warm["prompt_tokens_details"]["cached_tokens"]
+        assert uncached_warm <= 16
+        assert times[0] >= cold["prompt_tokens"] * 0.002
+        assert times[0] - times[1] >= (cold["prompt_tokens"] - uncached_warm) * 0.002 - 0.1
+        stats = s.stats()
+        assert stats["prompt_tokens"] == cold["prompt_tokens"] + warm["prompt_tokens"]
+        assert stats["cached_tokens"] == warm["prompt_tokens_details"]["cached_tokens"]
+        events = s.stream_events("/v1/chat/completions", {"model": MODEL, "messages": messages, "stream": True})
+        assert events[-1] == "[DONE]"
+    finally:
+        s.close()

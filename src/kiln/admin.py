@@ -1,7 +1,7 @@
 """The admin HTTP API under /admin/v1 (admin credential required).
 
-Organisations, projects, keys, credits, budgets, limits, usage and
-maintenance. Amounts go in and out as decimal USD strings (numbers are
+Organisations, projects, keys, credits, budgets, limits, usage,
+maintenance and the backends' health. Amounts go in and out as decimal USD strings (numbers are
 accepted on input) and are stored as exact nanodollars.
 """
 
@@ -231,6 +231,15 @@ async def set_maintenance(gw: Gateway, body: dict[str, Any], params: Params) -> 
     return await get_maintenance(gw, body, params)
 
 
+async def list_backends(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
+    """Every backend: state (healthy, ejected, down), requests in flight, latency, last error."""
+    r = gw.router.routing
+    routing = {"affinity": r.affinity, "affinity_balance": r.affinity_balance, "retries": r.retries,
+               "queue_timeout_s": r.queue_timeout_s, "eject_after": r.eject_after,
+               "health_interval_s": gw.router.health_interval_s}
+    return {"object": "list", "data": gw.router.status(), "routing": routing}
+
+
 async def advance_clock(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     """Test-only (KILN_TEST_CLOCK=1): move the gateway's clock forward."""
     seconds = body.get("seconds")
@@ -295,5 +304,6 @@ routes = [
     Route("/admin/v1/usage", endpoint(list_usage), methods=["GET"]),
     Route("/admin/v1/maintenance", endpoint(get_maintenance), methods=["GET"]),
     Route("/admin/v1/maintenance", endpoint(set_maintenance), methods=["PUT"]),
+    Route("/admin/v1/backends", endpoint(list_backends), methods=["GET"]),
 ]
 test_routes = [Route("/admin/v1/clock", endpoint(advance_clock), methods=["POST"])]

@@ -233,12 +233,10 @@ def create_app(
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         parts = await open_parts(settings, store=store, admission=admission, clock=clock,
                                  on_metrics=metrics.record_ledger_commit)  # store, accounts, admission, ledger
-        client = upstream or Upstream(Limits(connect_s=settings.connect_timeout_s,
-                                             idle_s=settings.stream_idle_timeout_s,
-                                             max_body_bytes=settings.max_upstream_body_bytes,
+        client = upstream or Upstream(Limits(max_body_bytes=settings.max_upstream_body_bytes,
                                              max_event_bytes=settings.max_upstream_event_bytes))
         await client.start()
-        router = Router(catalog, client, settings.backend_retry_s)
+        router = Router(catalog, client, settings.routing, settings.backend_retry_s)
         await router.probe_all()
         await router.start()
         ctx = Context(catalog, ReasoningSeal(reasoning_key(settings.reasoning_secret, settings.data_dir)))

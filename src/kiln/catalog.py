@@ -2,8 +2,8 @@
 
 Built once from configuration. A model has a public id, optional aliases
 (e.g. a Claude or GPT name mapped onto a served model) and one or more
-backends. Backend health is tracked here too, so `GET /v1/models` and the
-router agree on what can be served right now.
+backends. Each backend carries its health (kiln.health), so `GET /v1/models`
+and the router agree on what can be served right now.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from kiln.core.money import Prices
+from kiln.health import DOWN, BackendState
 
 TOOL_CHOICE_MODES = ("auto", "none", "required", "named")
 # Codex takes a catalog entry's instructions as its system prompt and drops an entry without them.
@@ -26,25 +27,51 @@ and ends with `*** End Patch`.
 - When you are done, reply with a short summary of what you changed and what is left to do."""
 
 
-@dataclass(slots=True)
+DEFAULT_MAX_IN_FLIGHT = 1024  # per backend, and the size of its connection pool
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    """How long Kiln waits on a backend before it counts as failing (seconds).
+
+    Chosen for LLM serving, where a long prefill is normal and not a failure:
+
+    - connect_s: the TCP (and TLS) connection. Model servers sit on the same
+      network; 5 s without a connection means the host is gone.
+    - headers_s: streams only, from sending the request to the response
+      headers. vLLM, SGLang and llama.cpp send those before the prefill, so
+      this covers tokenisation and fetching images, not the prompt's length;
+      120 s leaves room for a slow multimodal fetch. A non-streaming answer
+      has its headers only when generation is done, so it is bounded by the
+      gateway's request_timeout_s instead (and by the health checks: a backend
+      that goes down has its waiting requests moved to another one).
+    - idle_s: streams only, the longest silence between two reads, including
+      the one before the first token (queueing plus prefill of a long prompt
+      on a busy server): 600 s.
+    """
+
+    connect_s: float = 5.0
+    headers_s: float = 120.0
+    idle_s: float = 600.0
+
+
+@dataclass(slots=True, eq=False)  # compared and hashed by identity: one object per configured backend
 class Backend:
     url: str  # base URL including /v1, no trailing slash
     model: str  # the model name the server knows
     api_key: str | None = None
-    down_until: float = 0.0
-    failures: int = 0
+    weight: int = 1  # share of traffic relative to the model's other backends
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    state: BackendState = field(default_factory=BackendState)
+
+    def __post_init__(self) -> None:
+        self.state.label = f"{self.url} ({self.model})"
 
     @property
     def available(self) -> bool:
-        return self.down_until <= time.monotonic()
-
-    def mark_down(self, seconds: float) -> None:
-        self.failures += 1
-        self.down_until = time.monotonic() + seconds
-
-    def mark_up(self) -> None:
-        self.failures = 0
-        self.down_until = 0.0
+        """Reachable: healthy, or ejected (which the router still uses when nothing else is left)."""
+        return self.state.status != DOWN
 
 
 @dataclass(frozen=True, slots=True)

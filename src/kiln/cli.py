@@ -3,7 +3,7 @@
     kiln serve [--config kiln.toml] [--host H] [--port P] [--data-dir D] [--workers N]
     kiln migrate [--config kiln.toml]            (apply the database's pending schema migrations)
     kiln sim [--port P] ...                      (the vLLM-like model-server simulator)
-    kiln admin [--json] orgs|projects|keys|usage|maintenance ...   (talks to a running gateway)
+    kiln admin [--json] orgs|projects|keys|usage|maintenance|backends ...   (talks to a running gateway)
 """
 
 from __future__ import annotations
@@ -268,6 +268,9 @@ def _admin_parser(sub: Any) -> None:
             verb_parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
                                      help="print the API's JSON instead of a table")
 
+    backends = what.add_parser("backends", help="each backend's state, requests in flight, latency, last error")
+    backends.add_argument("--json", action="store_true", help="the raw /admin/v1/backends answer")
+
 
 def _key_limit_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spend-reset", choices=["never", "daily", "weekly", "monthly"])
@@ -278,7 +281,11 @@ def _key_limit_args(parser: argparse.ArgumentParser) -> None:
 def admin_command(args: argparse.Namespace) -> None:
     if not args.admin_key:
         raise SystemExit("kiln admin: set KILN_ADMIN_KEY or pass --admin-key")
-    w, v = args.what, args.verb
+    w, v = args.what, getattr(args, "verb", None)
+    if w == "backends":
+        answer = _call(args.url, args.admin_key, "GET", "/backends", None)
+        print(json.dumps(answer, indent=2) if args.json else backends_table(answer["data"]))
+        return
     limits = {n: getattr(args, n, None) for n in ("rpm_limit", "tpm_limit", "concurrency_limit")}
     limits = {k: val for k, val in limits.items() if val is not None}
     key_limits = {**limits, **({"spend_reset": args.spend_reset} if getattr(args, "spend_reset", None) else {})}
@@ -331,6 +338,20 @@ def admin_command(args: argparse.Namespace) -> None:
         print(tables.render("summary" if (w, v) == ("usage", "summary") else w, result))
         if note:
             print(f"\n{note}")
+
+
+def backends_table(rows: list[dict[str, Any]]) -> str:
+    """One line per backend, columns aligned."""
+    head = ("MODEL", "URL", "STATE", "IN FLIGHT", "LATENCY", "REQUESTS", "ERRORS", "LAST ERROR")
+    lines = [head] + [
+        (r["model"], r["url"], r["state"] + (f" ({r['ejected_for_s']:g} s)" if r.get("ejected_for_s") else ""),
+         f"{r['in_flight']}/{r['max_in_flight']}",
+         "-" if r["latency_ms"] is None else f"{r['latency_ms']:g} ms",
+         str(r["requests"]), str(r["errors"]), r["last_error"] or "-")
+        for r in rows
+    ]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head) - 1)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths)) + "  " + line[-1] for line in lines)
 
 
 def _when(value: str | None) -> float | str | None:

@@ -3,6 +3,11 @@
 Everything is validated at start, and every mistake is reported at once with
 its place in the file (unknown field with a suggestion, bad URL, missing
 price), so a typo never starts a gateway that silently ignores it.
+
+Routing (`[routing]`, and per backend `weight`, `max_in_flight` and the
+three timeouts): see `Routing` here and `kiln.catalog.Timeouts` for the
+defaults and why they suit LLM serving; README's configuration section
+lists them all.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kiln.catalog import TOOL_CHOICE_MODES, Backend, Capabilities, Catalog, Model
+from kiln.catalog import DEFAULT_MAX_IN_FLIGHT, TOOL_CHOICE_MODES, Backend, Capabilities, Catalog, Model, Timeouts
 from kiln.core.money import Prices
 
 DEFAULT_PORT = 8080
@@ -37,6 +42,24 @@ class Limits:
     tpm: int | None = None
     concurrency: int = 8
     count_tokens_rpm: int = 1200  # count_tokens calls per minute: no inference, no in-flight slot
+
+
+@dataclass
+class Routing:
+    """How requests are spread over a model's backends, and when a backend counts as failing."""
+
+    affinity: bool = True  # keep a conversation on one backend (its prefix cache); false: least loaded only
+    # ε: a backend keeps a key while its load is under (1 + ε) × its share. A miss costs a whole
+    # prefill, so the default tolerates twice the average (bench/affinity.py: 0.25 kept 79-92% of
+    # turns on a warm replica, 1.0 kept 99%)
+    affinity_balance: float = 1.0
+    retries: int = 2  # other backends tried after a failure before the first byte
+    queue_timeout_s: float = 5.0  # all backends at max_in_flight: wait this long for one, then 503
+    eject_after: int = 5  # failed requests in a row (5xx, timeout, broken stream) that eject a backend
+    ejection_s: float = 10.0  # first ejection; doubles with each ejection in a row
+    max_ejection_s: float = 300.0
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT  # per backend, unless the backend sets its own
+    timeouts: Timeouts = field(default_factory=Timeouts)  # per backend, unless the backend sets its own
 
 
 @dataclass
@@ -76,11 +99,9 @@ class Settings:
     max_body_bytes: int = 8 * 1024 * 1024
     request_timeout_s: float = 3600.0
     keepalive_s: float = 15.0
-    connect_timeout_s: float = 10.0
-    stream_idle_timeout_s: float = 600.0  # a stream's silence from the backend (a long prefill is not a failure)
     max_upstream_body_bytes: int = 64 * 1024 * 1024  # a backend's JSON answer
     max_upstream_event_bytes: int = 8 * 1024 * 1024  # one SSE event from a backend
-    backend_retry_s: float = 5.0
+    backend_retry_s: float = 5.0  # how often every backend is health-checked
     refresh_s: float = 2.0  # shared database: fallback poll for other gateways' changes (notices come at once)
     workers: int = 1  # gateway processes on one port; more than one needs redis_url and PostgreSQL
     redis_url: str = ""  # shared admission for several processes/replicas (also KILN_REDIS_URL)
@@ -95,6 +116,7 @@ class Settings:
     max_connections: int = 10_000  # open connections (also capped by the open-file limit)
     log_level: str = "info"
     limits: Limits = field(default_factory=Limits)
+    routing: Routing = field(default_factory=Routing)
     log: LogSettings = field(default_factory=LogSettings)
     metrics: MetricsSettings = field(default_factory=MetricsSettings)
     tracing: TracingSettings = field(default_factory=TracingSettings)
@@ -133,8 +155,7 @@ def check_workers(settings: Settings) -> list[str]:
 _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "host": str, "port": int, "data_dir": str, "database": str, "sqlite_synchronous": str,
     "max_body_bytes": int, "request_timeout_s": (int, float), "keepalive_s": (int, float),
-    "connect_timeout_s": (int, float), "backend_retry_s": (int, float), "refresh_s": (int, float),
-    "stream_idle_timeout_s": (int, float), "max_upstream_body_bytes": int, "max_upstream_event_bytes": int,
+    "backend_retry_s": (int, float), "refresh_s": (int, float), "max_upstream_body_bytes": int, "max_upstream_event_bytes": int,
     "log_level": str, "shutdown_grace_s": (int, float), "header_timeout_s": (int, float),
     "body_timeout_s": (int, float), "max_header_bytes": int, "max_headers": int, "max_connections": int,
     "workers": int, "redis_url": str, "redis_prefix": str, "database_pool": int,
@@ -142,6 +163,11 @@ _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 _POSITIVE_SERVER_FIELDS = ("shutdown_grace_s", "header_timeout_s", "body_timeout_s", "max_header_bytes",
                            "max_headers", "max_connections")
+# [routing] and per-backend fields: name -> what a valid value is
+_TIMEOUT_FIELDS = {"connect_timeout_s": "connect_s", "headers_timeout_s": "headers_s", "idle_timeout_s": "idle_s"}
+_ROUTING_FIELDS = {"affinity": "bool", "affinity_balance": "ratio", "retries": "count", "queue_timeout_s": "ratio",
+                   "eject_after": "positive", "ejection_s": "seconds", "max_ejection_s": "seconds",
+                   "max_in_flight": "positive", **{name: "seconds" for name in _TIMEOUT_FIELDS}}
 _LIMIT_FIELDS: dict[str, type | tuple[type, ...]] = {"rpm": int, "tpm": int, "concurrency": int,
                                                       "count_tokens_rpm": int}
 LOG_FORMATS = ("auto", "json", "text")
@@ -150,7 +176,7 @@ _MODEL_FIELDS = {
     "id", "aliases", "backends", "context_window", "max_output_tokens", "prices",
     "capabilities", "family", "owned_by", "simulated",
 }
-_BACKEND_FIELDS = {"url", "model", "api_key_env"}
+_BACKEND_FIELDS = {"url", "model", "api_key_env", "weight", "max_in_flight", *_TIMEOUT_FIELDS}
 _PRICE_FIELDS = ("input", "cached_input", "output")
 _CAP_FIELDS = {"image_input", "tool_choice", "parallel_tool_calls", "reasoning", "response_format"}
 
@@ -167,7 +193,7 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
     problems: list[str] = []
-    _unknown(raw, {"server", "limits", "log", "metrics", "tracing", "models"}, "", problems)
+    _unknown(raw, {"server", "limits", "routing", "log", "metrics", "tracing", "models"}, "", problems)
     settings = Settings()
     server = _table(raw, "server", problems)
     _unknown(server, set(_SERVER_FIELDS), "server.", problems)
@@ -192,6 +218,7 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
     _check_log(_table(raw, "log", problems), settings.log, problems)
     _check_metrics(_table(raw, "metrics", problems), settings.metrics, problems)
     _check_tracing(_table(raw, "tracing", problems), settings.tracing, problems)
+    settings.routing = _routing(_table(raw, "routing", problems), problems)
     if settings.sqlite_synchronous.upper() not in ("NORMAL", "FULL"):
         problems.append("server.sqlite_synchronous: expected 'normal' or 'full'")
     # Environment overrides (for containers and tests) and secrets.
@@ -293,7 +320,41 @@ def build_catalog(settings: Settings, env: dict[str, str] | None = None, sim_url
     if settings.demo:
         assert sim_url is not None, "demo mode needs the simulator's URL"
         return Catalog([demo_model(sim_url)])
-    return Catalog([_model(m, env) for m in settings.models])
+    return Catalog([_model(m, env, settings.routing) for m in settings.models])
+
+
+def _routing(table: dict[str, Any], problems: list[str]) -> Routing:
+    _unknown(table, set(_ROUTING_FIELDS), "routing.", problems)
+    routing = Routing()
+    timeouts: dict[str, float] = {}
+    for name, rule in _ROUTING_FIELDS.items():
+        if name in table and _valid(table[name], rule, f"routing.{name}", problems):
+            if name in _TIMEOUT_FIELDS:
+                timeouts[_TIMEOUT_FIELDS[name]] = float(table[name])
+            else:
+                setattr(routing, name, table[name])
+    if routing.max_ejection_s < routing.ejection_s:
+        problems.append("routing.max_ejection_s: must not be less than routing.ejection_s")
+    routing.timeouts = Timeouts(**timeouts)
+    return routing
+
+
+def _valid(value: Any, rule: str, where: str, problems: list[str]) -> bool:
+    """Check a routing value: bool, count (>= 0 integer), positive (> 0 integer),
+    ratio (>= 0 number) or seconds (> 0 number)."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {
+        "bool": isinstance(value, bool),
+        "count": number and isinstance(value, int) and value >= 0,
+        "positive": _positive_int(value),
+        "ratio": number and value >= 0,
+        "seconds": number and value > 0,
+    }[rule]
+    if not ok:
+        expected = {"bool": "true or false", "count": "an integer >= 0", "positive": "a positive integer",
+                    "ratio": "a number >= 0", "seconds": "a number of seconds > 0"}[rule]
+        problems.append(f"{where}: expected {expected}, got {value!r}")
+    return ok
 
 
 def demo_model(sim_url: str) -> Model:
@@ -309,20 +370,13 @@ def demo_model(sim_url: str) -> Model:
     )
 
 
-def _model(m: dict[str, Any], env: dict[str, str]) -> Model:
+def _model(m: dict[str, Any], env: dict[str, str], routing: Routing) -> Model:
     caps = m.get("capabilities", {})
     prices = m["prices"]
     return Model(
         id=m["id"],
         aliases=tuple(m.get("aliases", ())),
-        backends=[
-            Backend(
-                url=b["url"].rstrip("/"),
-                model=b.get("model", m["id"]),
-                api_key=env.get(b["api_key_env"]) if b.get("api_key_env") else None,
-            )
-            for b in m["backends"]
-        ],
+        backends=[_backend(b, m["id"], env, routing) for b in m["backends"]],
         prices=Prices(*(Decimal(str(prices.get(n, prices["input"]))) for n in _PRICE_FIELDS)),
         context_window=m["context_window"],
         max_output_tokens=m.get("max_output_tokens", m["context_window"]),
@@ -336,6 +390,18 @@ def _model(m: dict[str, Any], env: dict[str, str]) -> Model:
         family=m.get("family", ""),
         owned_by=m.get("owned_by", "kiln"),
         simulated=m.get("simulated", False),
+    )
+
+
+def _backend(b: dict[str, Any], model_id: str, env: dict[str, str], routing: Routing) -> Backend:
+    t = routing.timeouts
+    return Backend(
+        url=b["url"].rstrip("/"),
+        model=b.get("model", model_id),
+        api_key=env.get(b["api_key_env"]) if b.get("api_key_env") else None,
+        weight=b.get("weight", 1),
+        max_in_flight=b.get("max_in_flight", routing.max_in_flight),
+        timeouts=Timeouts(**{attr: float(b.get(name, getattr(t, attr))) for name, attr in _TIMEOUT_FIELDS.items()}),
     )
 
 
@@ -393,6 +459,10 @@ def _check_model(m: Any, where: str, env: dict[str, str], problems: list[str]) -
             problems.append(f"{bw}.url: expected an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}")
         if "model" in b and not isinstance(b["model"], str):
             problems.append(f"{bw}.model: expected the upstream model name")
+        for name, rule in (("weight", "positive"), ("max_in_flight", "positive"),
+                           *((name, "seconds") for name in _TIMEOUT_FIELDS)):
+            if name in b:
+                _valid(b[name], rule, f"{bw}.{name}", problems)
         var = b.get("api_key_env")
         if var is not None and (not isinstance(var, str) or var not in env):
             problems.append(f"{bw}.api_key_env: environment variable {var!r} is not set")

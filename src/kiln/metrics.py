@@ -1,7 +1,7 @@
 """Prometheus metrics: what the gateway served, what it cost, how fast, and why it refused.
 
 The request path calls `record_request` once per request (and `record_refusal`,
-`backend_started`/`backend_finished`, `record_keepalive`, `record_ledger_commit` where those
+`record_keepalive`, `record_ledger_commit` where those
 happen). A call adds to plain Python numbers kept per label set: one dictionary lookup and
 a few bisects, no lock (the event loop is one thread). prometheus-client turns them into
 its metric families only when scraped, and writes the exposition (text or OpenMetrics).
@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kiln.access_log import safe_url
 from kiln.core import errors
 from kiln.core.keys import bearer_token
 from kiln.protocols.openai.errors import openai_error
@@ -117,7 +118,6 @@ class Counts:
     series: dict[tuple[str, str, str, str], Series] = field(default_factory=dict)
     orgs: dict[str, list[int]] = field(default_factory=dict)  # org -> TOKEN_TYPES counts + cost_nano
     refusals: dict[str, int] = field(default_factory=dict)
-    backend_in_flight: dict[str, int] = field(default_factory=dict)
     keepalives: dict[str, int] = field(default_factory=dict)
     ledger_commit: Hist = field(default_factory=lambda: Hist(COMMIT_BUCKETS))
     ledger_events: int = 0
@@ -203,14 +203,6 @@ def record_refusal(reason: str) -> None:
     """Admission refused a request (429, 402, or 503 in maintenance)."""
     reason = reason if reason in REFUSAL_REASONS else "other"
     COUNTS.refusals[reason] = COUNTS.refusals.get(reason, 0) + 1
-
-
-def backend_started(backend_url: str) -> None:
-    COUNTS.backend_in_flight[backend_url] = COUNTS.backend_in_flight.get(backend_url, 0) + 1
-
-
-def backend_finished(backend_url: str) -> None:
-    COUNTS.backend_in_flight[backend_url] = COUNTS.backend_in_flight.get(backend_url, 0) - 1
 
 
 def record_keepalive(endpoint: str) -> None:
@@ -307,8 +299,6 @@ def _other_families() -> Iterator[Metric]:
     for name, doc, label, values, kind in (
         ("kiln_admission_refusals", "Requests admission refused, by reason.", "reason", COUNTS.refusals,
          CounterMetricFamily),
-        ("kiln_backend_in_flight", "Requests in flight to each backend.", "backend", COUNTS.backend_in_flight,
-         GaugeMetricFamily),
         ("kiln_keepalives_sent", "Keepalive frames sent on streams while a backend was silent.", "endpoint",
          COUNTS.keepalives, CounterMetricFamily),
     ):
@@ -328,15 +318,22 @@ def _gateway_families(gw: Any) -> Iterator[Metric]:
                             value=gw.ledger.depth)
     yield GaugeMetricFamily("kiln_maintenance", "1 while the gateway is in maintenance.",
                             value=int(gw.maintenance.active))
-    up = GaugeMetricFamily("kiln_backend_up", "1 if the backend answers its health probe.",
+    up = GaugeMetricFamily("kiln_backend_up", "1 while the backend takes traffic (healthy), else 0.",
                            labels=("model", "backend"))
-    failures = GaugeMetricFamily("kiln_backend_failures", "Failed probes or connections in a row.",
-                                 labels=("model", "backend"))
+    state = GaugeMetricFamily("kiln_backend_state", "1 for the backend's state: healthy, ejected or down.",
+                              labels=("model", "backend", "state"))
+    in_flight = GaugeMetricFamily("kiln_backend_in_flight", "Requests in flight to each backend.",
+                                  labels=("model", "backend"))
+    failures = GaugeMetricFamily("kiln_backend_failures", "Failed requests in a row.", labels=("model", "backend"))
     for model in gw.catalog.models:
         for b in model.backends:
-            up.add_metric([model.id, b.url], int(b.available))
-            failures.add_metric([model.id, b.url], b.failures)
-    yield from (up, failures)
+            labels = [model.id, safe_url(b.url) or b.url]
+            up.add_metric(labels, int(b.state.status == "healthy"))
+            for name in ("healthy", "ejected", "down"):
+                state.add_metric([*labels, name], int(b.state.status == name))
+            in_flight.add_metric(labels, b.state.in_flight)
+            failures.add_metric(labels, b.state.failures)
+    yield from (up, state, in_flight, failures)
 
 
 class _Kiln(Collector):

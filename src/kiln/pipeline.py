@@ -34,6 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln import access_log, metrics, observe, tokenizer, tracing
+from kiln.affinity import affinity_key
 from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
 from kiln.core import errors
@@ -46,7 +47,8 @@ from kiln.core.ledger import Ledger, new_generation_id
 from kiln.core.records import ApiKey, Usage, UsageEvent
 from kiln.http import StreamResponse, Write, read_body, wait_disconnect
 from kiln.protocols.base import Context, Translator, UpstreamCall
-from kiln.router import Router
+from kiln.health import Outcome
+from kiln.router import Lease, Router, outcome_of
 from kiln.upstream import Upstream
 
 log = logging.getLogger("kiln.pipeline")
@@ -95,6 +97,8 @@ class _Run:
     ttft_ms: float | None = None
     backend_s: float = 0.0  # time spent waiting for the backend (the rest is the gateway's own)
     metered: tuple[UsageEvent, Usage] | None = None  # the event, once recorded
+    lease: Lease | None = None  # the backend's in-flight slot, released with the outcome in _release
+    outcome: Outcome = Outcome.OK  # what the request says of the backend's health
 
 
 class Gateway:
@@ -174,6 +178,8 @@ class Gateway:
             return await self._count(tr, call, key, started, trace)
         if ticket.capped:  # the money left covers less output than asked: ask the backend for less
             call.lower_cap(ticket.output_tokens // ticket.outputs)
+        if self.router.uses_affinity(call.model):  # else no routing key is worth its hash
+            call.affinity = affinity_key(body, tr.endpoint, request.headers)
         run = _Run(key, tr, call, ticket, started, generation_id, started + self.settings.request_timeout_s, trace)
         self.in_flight += 1
         try:
@@ -193,6 +199,7 @@ class Gateway:
         """An error answer after admission. The gateway's or the backend's failures are recorded
         (cost 0: nothing reached the client) under an id the client receives; the client's
         own mistakes (a 4xx from the backend) are not billed and leave no event."""
+        run.outcome = outcome_of(err)
         if err.status < 500:
             await self._release(run)
             self._observe(run, err.status, metrics.error_type(err.status, err.backend))
@@ -204,26 +211,22 @@ class Gateway:
     # -- calling the backend ------------------------------------------------
 
     async def _send(self, run: _Run) -> aiohttp.ClientResponse:
-        """POST to the first backend that accepts the connection; any failure as a GatewayError."""
+        """POST to a backend the router chooses; it fails over before the first byte."""
         call = run.call
-        last: GatewayError | None = None
-        for backend in self.router.candidates(call.model):
+
+        async def post(backend: Backend) -> aiohttp.ClientResponse:
             run.backend = backend
             body = _encode(call, backend)
             headers = tracing.backend_headers(run.trace, call.model.id, backend.url)
             sent = time.monotonic()
             try:
-                return await self.upstream.post(backend, call.path, body, stream=call.stream, deadline=run.deadline,
-                                                headers=headers)
-            except GatewayError as err:
-                if not err.failover:
-                    raise
-                self.router.failed(backend)
-                last = err
+                return await self.upstream.post(backend, call.path, body, stream=call.stream,
+                                                deadline=run.deadline, headers=headers)
             finally:
                 run.backend_s += time.monotonic() - sent
-        assert last is not None
-        raise last
+
+        resp, run.lease = await self.router.send(call.model, call.affinity, post, call.stream)
+        return resp
 
     async def _complete(self, run: _Run, request: Request) -> Response:
         """Non-streaming: one upstream JSON body, cancelled if the client leaves."""
@@ -239,6 +242,7 @@ class Gateway:
             await asyncio.gather(work, return_exceptions=True)
             if not done:
                 raise errors.timeout("The request took longer than the gateway's time limit.")
+            run.outcome = Outcome.CANCELLED
             await self._meter(run, status="cancelled", cancelled=True)
             self._observe(run, 499, "cancelled")
             return Response(b"", status_code=499)
@@ -301,11 +305,13 @@ class Gateway:
             await write(tr.finish(usage, event.cost_nano))
         except GatewayError as err:
             left = False
+            run.outcome = outcome_of(err)
             await self._meter(run, status="timeout" if err.status == 504 else "error")
             self._observe(run, 200, metrics.error_type(err.status, err.backend))
             await write(tr.stream_error(err))
         except Exception:
             left = False
+            run.outcome = Outcome.CANCELLED  # a defect of ours says nothing about the backend
             log.exception("internal error in a %s stream (%s)", tr.endpoint, run.generation_id)
             await self._meter(run, status="error")
             self._observe(run, 200, "internal")
@@ -454,7 +460,10 @@ class Gateway:
         return Usage(min(prompt, call.model.context_window), 0, completion, 0, exact=False)
 
     async def _release(self, run: _Run, cost_nano: int = 0, tokens: int = 0) -> None:
-        """Charge the cost and release the request's admission (reservation and slot); idempotent."""
+        """Charge the cost and release the request's admission (reservation and slot) and its
+        backend lease (with what the request says of the backend's health); idempotent."""
+        if run.lease is not None:
+            run.lease.release(run.outcome)
         if not run.ticket.released:
             self.in_flight -= 1
             key = run.key
@@ -462,6 +471,7 @@ class Gateway:
 
     async def _cut(self, run: _Run) -> None:
         """A stream whose client left: bill what was generated."""
+        run.outcome = Outcome.CANCELLED
         await self._meter(run, status="cancelled", cancelled=True)
         self._observe(run, 499, "cancelled")
 

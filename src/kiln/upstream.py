@@ -8,10 +8,13 @@ model, another backend may take it), timeouts (504), dropped connections
 and oversized answers (502), and error statuses in the three shapes vLLM,
 SGLang and llama.cpp use (`upstream_error`).
 
-Timeouts are per phase: connecting (`connect_s`), and, for streams, silence
-between two reads (`idle_s`: it also bounds the wait for the response
-headers, which vLLM sends before the prefill); every call is also bounded by
-the request's overall deadline, so no path can outlive it.
+Each backend has its own connection pool (sized to its `max_in_flight`, so a
+busy backend cannot starve the others) and its own timeouts
+(catalog.Timeouts): connecting, and for streams the silence between two reads;
+the router bounds the wait for a stream's headers. Every call is also bounded
+by the request's overall deadline, so no path can outlive it. Health checks
+and tokenizer calls go through a small pool of their own, so they still get
+through when a backend's pool is full.
 """
 
 from __future__ import annotations
@@ -35,12 +38,11 @@ _OVERFLOW = re.compile(
 )
 _TOKENS_IN_MESSAGE = re.compile(r"(\d+) input tokens|input \((\d+) tokens\)|request \((\d+) tokens\)")
 _ERROR_BODY_BYTES = 64 * 1024  # what is read of an error answer
+FAILOVER_STATUSES = (502, 503, 504)
 
 
 @dataclass(frozen=True, slots=True)
 class Limits:
-    connect_s: float = 10.0
-    idle_s: float = 600.0  # a stream's silence between reads (a long prefill is not a failure)
     max_body_bytes: int = 64 * 1024 * 1024  # a JSON answer
     max_event_bytes: int = 8 * 1024 * 1024  # one SSE event
 
@@ -48,21 +50,25 @@ class Limits:
 class Upstream:
     def __init__(self, limits: Limits = Limits()) -> None:
         self.limits = limits
-        self.session: aiohttp.ClientSession | None = None
+        self.session: aiohttp.ClientSession | None = None  # health checks, tokenizers
+        self._pools: dict[Backend, aiohttp.ClientSession] = {}
 
     async def start(self) -> None:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.limits.connect_s),
-            auto_decompress=True,
-            skip_auto_headers=("User-Agent",),
-        )
+        self.session = _session(aiohttp.TCPConnector(limit=64, keepalive_timeout=60, ttl_dns_cache=300))
 
     async def close(self) -> None:
-        if self.session is not None:
-            await self.session.close()
-            self.session = None
+        sessions = [*([self.session] if self.session else []), *self._pools.values()]
+        self.session = None
+        self._pools.clear()
+        for session in sessions:
+            await session.close()
+
+    def _pool(self, backend: Backend) -> aiohttp.ClientSession:
+        pool = self._pools.get(backend)
+        if pool is None:
+            connector = aiohttp.TCPConnector(limit=backend.max_in_flight, keepalive_timeout=60, ttl_dns_cache=300)
+            pool = self._pools[backend] = _session(connector)
+        return pool
 
     async def post(self, backend: Backend, path: str, body: bytes, *, stream: bool, deadline: float,
                    headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
@@ -71,14 +77,14 @@ class Upstream:
         `deadline` is a time.monotonic() value the whole exchange must end by;
         `headers` go with the request (trace context).
         """
-        assert self.session is not None
         headers = {"Content-Type": "application/json", **(headers or {})}
         if backend.api_key:
             headers["Authorization"] = f"Bearer {backend.api_key}"
-        timeout = aiohttp.ClientTimeout(total=_left(deadline), sock_connect=self.limits.connect_s,
-                                        sock_read=self.limits.idle_s if stream else None)
+        t = backend.timeouts
+        timeout = aiohttp.ClientTimeout(total=_left(deadline), sock_connect=t.connect_s,
+                                        sock_read=t.idle_s if stream else None)
         try:
-            resp = await self.session.post(backend.url + path, data=body, headers=headers, timeout=timeout)
+            resp = await self._pool(backend).post(backend.url + path, data=body, headers=headers, timeout=timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ClientProxyConnectionError) as exc:
             raise unreachable(exc) from None
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
@@ -157,15 +163,33 @@ class Upstream:
         except orjson.JSONDecodeError:
             raise errors.bad_gateway("The model backend returned a malformed response.") from None
 
-    async def ping(self, url: str, timeout_s: float = 5.0) -> bool:
-        """True if GET url answers 2xx."""
+    async def probe(self, backend: Backend, timeout_s: float = 5.0) -> tuple[str | None, bool]:
+        """Health check: GET /health, or /v1/models on a server without /health (404).
+
+        (None, _) when it answers 2xx; else what went wrong and whether the
+        server could not be reached at all. vLLM's /health fails when its
+        engine is dead while /v1/models still answers, so only a 404 falls back.
+        """
         assert self.session is not None
-        try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                await resp.read()
-                return resp.status < 300
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            return False
+        headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None
+        status = 0
+        for url in (backend.url.removesuffix("/v1") + "/health", backend.url + "/models"):
+            try:
+                async with self.session.get(url, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                    await resp.read()
+                    status = resp.status
+            except aiohttp.ClientConnectorError as exc:
+                return f"unreachable: {exc.os_error or exc}", True
+            except TimeoutError:
+                return f"no answer within {timeout_s:g} s", False
+            except (aiohttp.ClientError, OSError) as exc:
+                return type(exc).__name__, False
+            if status < 300:
+                return None, False
+            if status not in (404, 405):
+                break
+        return f"HTTP {status}", False
 
 
 class SSEParser:
@@ -206,6 +230,11 @@ class SSEParser:
         return out
 
 
+def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
+                                 auto_decompress=True, skip_auto_headers=("User-Agent",))
+
+
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
@@ -214,21 +243,25 @@ def unreachable(exc: BaseException) -> GatewayError:
     """Nothing reached the model: another backend may be tried."""
     err = errors.bad_gateway(f"The model backend is unreachable ({type(exc).__name__}).")
     err.failover = err.backend = True
+    err.outcome = "connect"
     return err
 
 
 def _mapped(exc: BaseException, when: str) -> GatewayError:
     if isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
         err = errors.timeout(f"The model backend did not answer in time ({when}).")
+        err.outcome = "timeout"
     else:
         err = errors.bad_gateway(f"The model backend closed the connection {when}.")
+        err.outcome = "error"
     err.backend = True
+    err.failover = when == "before answering"  # nothing reached the client: another backend may take it
     return err
 
 
 def _too_large(limit: int) -> GatewayError:
     err = errors.bad_gateway(f"The model backend's answer is larger than {limit} bytes.")
-    err.backend = True
+    err.backend, err.outcome = True, "error"
     return err
 
 
@@ -246,10 +279,12 @@ def upstream_error(status: int, body: bytes) -> GatewayError:
         if _OVERFLOW.search(message or ""):
             err.code = "context_length_exceeded"
     elif status in (429, 503):
-        err = errors.unavailable("The model backend is overloaded; retry with exponential backoff.")
+        err = errors.unavailable(f"The model backend is overloaded (HTTP {status}); retry with exponential backoff.")
     else:
         err = errors.bad_gateway(f"The model backend returned an error (HTTP {status}).")
     err.backend = True
+    err.outcome = "error" if status >= 500 else ""
+    err.failover = status in FAILOVER_STATUSES  # the backend could not take it: another one may
     return err
 
 

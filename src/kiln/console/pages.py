@@ -8,7 +8,6 @@ does; a refused action shows the same page again with the API's message and stat
 
 from __future__ import annotations
 
-import time
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any, Awaitable, Callable
@@ -277,12 +276,10 @@ def _totals(rows: list[dict[str, Any]], by: str) -> list[dict[str, Any]]:
 
 
 async def backends(request: Request, gw: Gateway, error: str | None = None, status: int = 200) -> Response:
-    now = time.monotonic()
     models = [{
         "id": m.id, "aliases": m.aliases, "available": m.available, "prices": m.prices, "simulated": m.simulated,
         "context_window": m.context_window,
-        "backends": [{"url": b.url, "model": b.model, "available": b.available, "failures": b.failures,
-                      "down_for": max(0, round(b.down_until - now))} for b in m.backends],
+        "backends": [{"url": b.url, "model": b.model, "weight": b.weight, **b.state.view()} for b in m.backends],
     } for m in gw.catalog.models]
     return render(request, "backends.html", status, models=models, in_flight=gw.in_flight,
                   maintenance=await admin.get_maintenance(gw, {}, {}))

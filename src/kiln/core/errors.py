@@ -15,9 +15,11 @@ class GatewayError(Exception):
 
     plain=True marks errors the contract sends as a plain-text body (502);
     failover=True marks a backend failure where nothing reached the model, so
-    another backend may take the request; backend=True marks the model
-    server's failures (as opposed to the gateway's own refusals); `reason`
-    says why admission refused (metrics: a closed set).
+    another backend may take the request; backend=True marks what the model
+    server answered or did (as opposed to the gateway's own refusals), and
+    `outcome` what a failure says about its health ("connect", "timeout",
+    "error"; empty when it answered); `reason` says why admission refused
+    (metrics: a closed set).
     """
 
     status: int
@@ -29,6 +31,7 @@ class GatewayError(Exception):
     plain: bool = False
     failover: bool = False
     backend: bool = False
+    outcome: str = ""
     reason: str | None = None
 
     def __post_init__(self) -> None:

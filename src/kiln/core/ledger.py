@@ -117,7 +117,7 @@ class Ledger:
     @property
     def depth(self) -> int:
         """Events queued and not yet committed (for the metrics)."""
-        return self._queue.qsize()
+        return len(self._queue) + len(self._batch)
 
     def submit(self, event: UsageEvent) -> asyncio.Future[None]:
         """Queue an event; the future resolves once it is durable, or fails with a 503 once it

@@ -32,7 +32,7 @@ _DONE: Step = (b"", None, 0, True)
 
 def malformed() -> GatewayError:
     err = errors.bad_gateway(MALFORMED)
-    err.backend = True
+    err.backend, err.outcome = True, "error"
     return err
 
 

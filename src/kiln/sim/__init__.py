@@ -30,6 +30,10 @@ def build_parser(prog: str = "kiln sim") -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=32768)
     p.add_argument("--ttft-ms", type=float, default=0.0)
     p.add_argument("--token-delay-ms", type=float, default=0.0)
+    p.add_argument("--prefill-us-per-token", type=float, default=0.0,
+                   help="extra time to first token per prompt token not in the prefix cache (µs)")
+    p.add_argument("--id", default="", metavar="NAME",
+                   help="name sent as the x-sim-id header and in /sim/stats (default: host:port)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reply-tokens", type=int, default=24, help="default reply length in tokens")
     p.add_argument("--reasoning-models", default="", metavar="NAME,...",
@@ -56,6 +60,8 @@ def settings_from_args(argv: list[str] | None = None) -> SimSettings:
         max_model_len=a.max_model_len,
         ttft_ms=a.ttft_ms,
         token_delay_ms=a.token_delay_ms,
+        prefill_us_per_token=a.prefill_us_per_token,
+        id=a.id,
         seed=a.seed,
         reply_tokens=a.reply_tokens,
         reasoning_models=split_names(a.reasoning_models),
@@ -82,6 +88,8 @@ async def serve(settings: SimSettings, stop: asyncio.Event | None = None) -> Non
     server = site._server  # noqa: SLF001 - only way to learn the port picked for --port 0
     if server is not None and getattr(server, "sockets", None):
         settings.port = server.sockets[0].getsockname()[1]
+    if not settings.id:
+        settings.id = f"{settings.host}:{settings.port}"
     print(f"kiln sim listening on http://{settings.host}:{settings.port}", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

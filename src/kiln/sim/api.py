@@ -127,6 +127,7 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> we
     if s.forced_tool_choice_fails and body.get("tool_choice") == "required" and body.get("tools"):
         return wire.plain_500()
     cached = srv.cached_tokens(model, ids)
+    prefill = srv.prefill_s(len(ids), cached)
     calls, named = _requested_calls(body, sim, messages, s.forced_tool_choice_fails)
     kwargs = body.get("chat_template_kwargs")
     thinking = not (isinstance(kwargs, dict) and kwargs.get("enable_thinking") is False)
@@ -159,9 +160,9 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> we
             rid, created, model, plan, s.reasoning_field, usage if include_usage else None,
             usage if continuous else None,
         )
-        return await srv.stream(request, sim, ctx, events, 2, n_tok + 1)
+        return await srv.stream(request, sim, ctx, events, 2, n_tok + 1, prefill)
     data = wire.chat_body(rid, created, model, plan, s.reasoning_field, usage)
-    return await srv.finish_plain(request, sim, ctx, data, plan.completion_tokens)
+    return await srv.finish_plain(request, sim, ctx, data, plan.completion_tokens, prefill)
 
 
 async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.StreamResponse:
@@ -235,17 +236,18 @@ async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.Str
         events.append(wire.completion_event(prefix, final))
         running.append(n_completion)
     usage = wire.usage_obj(n_prompt, n_completion, None if s.no_prompt_tokens_details else n_cached)
+    prefill = srv.prefill_s(n_prompt, n_cached)
     n_gen = len(events)
     if not streaming:
         data = wire.completion_body(rid, created, model, choices, usage)
-        return await srv.finish_plain(request, sim, ctx, data, n_completion)
+        return await srv.finish_plain(request, sim, ctx, data, n_completion, prefill)
     options = body.get("stream_options")
     if isinstance(options, dict) and options.get("continuous_usage_stats") is True:
         events = wire.with_completion_usage(events, running, n_prompt)
     if isinstance(options, dict) and options.get("include_usage") is True:
         events.append(wire.completion_usage_event(prefix, usage))
     events.append(wire.DONE)
-    return await srv.stream(request, sim, ctx, events, 1, n_gen - 1)
+    return await srv.stream(request, sim, ctx, events, 1, n_gen - 1, prefill)
 
 
 def _chunk(index: int, text: str, logprobs: Any) -> dict[str, Any]:
@@ -257,6 +259,11 @@ def create_app(settings: SimSettings) -> web.Application:
     srv = SimServer(settings)
     app = web.Application(client_max_size=64 * 1024 * 1024)
     app[SIM_KEY] = srv
+
+    async def name_server(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["x-sim-id"] = settings.id  # which replica answered, for routing tests
+
+    app.on_response_prepare.append(name_server)
 
     def bind(fn: Any) -> Any:
         async def handler(request: web.Request, ctx: Ctx) -> web.StreamResponse:

@@ -39,11 +39,13 @@ class Ctx:
 class Stats:
     """Counters for /sim/stats."""
 
-    __slots__ = ("in_flight", "max_in_flight", "total", "completed", "cancelled", "errors")
+    __slots__ = ("in_flight", "max_in_flight", "total", "completed", "cancelled", "errors",
+                 "prompt_tokens", "cached_tokens")
 
     def __init__(self) -> None:
         self.in_flight = self.max_in_flight = self.total = 0
         self.completed = self.cancelled = self.errors = 0
+        self.prompt_tokens = self.cached_tokens = 0  # over generation requests: the prefix-cache hit ratio
 
     def to_dict(self) -> dict[str, int]:
         return {k: getattr(self, k) for k in self.__slots__}
@@ -51,6 +53,7 @@ class Stats:
     def reset(self) -> None:
         self.max_in_flight = self.in_flight
         self.total = self.completed = self.cancelled = self.errors = 0
+        self.prompt_tokens = self.cached_tokens = 0
 
 
 def _int(value: Any) -> int | None:
@@ -197,6 +200,12 @@ class SimServer:
             cache.popitem(last=False)
         return hit * BLOCK
 
+    def prefill_s(self, prompt_tokens: int, cached_tokens: int) -> float:
+        """Count a request's prompt in the stats; the simulated prefill time of its uncached part."""
+        self.stats.prompt_tokens += prompt_tokens
+        self.stats.cached_tokens += cached_tokens
+        return (prompt_tokens - cached_tokens) * self.settings.prefill_us_per_token / 1e6
+
     async def pre_faults(self, request: web.Request, sim: dict[str, Any], ctx: Ctx) -> web.StreamResponse | None:
         """sim.delay_ms, sim.status and sim.malformed, applied before validation."""
         delay = _ms(sim.get("delay_ms"), 0.0)
@@ -226,11 +235,11 @@ class SimServer:
         return resp
 
     async def finish_plain(
-        self, request: web.Request, sim: dict[str, Any], ctx: Ctx, body: bytes, n_tokens: int
+        self, request: web.Request, sim: dict[str, Any], ctx: Ctx, body: bytes, n_tokens: int, prefill_s: float = 0.0
     ) -> web.StreamResponse:
         """Non-streaming answer: wait out the simulated generation time, then one body."""
         s = self.settings
-        wait = _ms(sim.get("ttft_ms"), s.ttft_ms) + _ms(sim.get("token_delay_ms"), s.token_delay_ms) * max(n_tokens - 1, 0)
+        wait = prefill_s + _ms(sim.get("ttft_ms"), s.ttft_ms) + _ms(sim.get("token_delay_ms"), s.token_delay_ms) * max(n_tokens - 1, 0)
         if wait > 0:
             await _sleep(request, wait)
         if _int(sim.get("drop_after")) is not None:
@@ -249,8 +258,9 @@ class SimServer:
         events: list[bytes],
         delay_from: int,
         delay_to: int,
+        prefill_s: float = 0.0,
     ) -> web.StreamResponse:
-        """Send SSE events: ttft before the first, token delay before events[delay_from:delay_to].
+        """Send SSE events: prefill + ttft before the first, token delay before events[delay_from:delay_to].
 
         Faults: sim.drop_after N closes the connection after N events; sim.error_after N
         sends N events, an in-band error and [DONE]. With no delays and no faults all
@@ -268,7 +278,7 @@ class SimServer:
             if drop is None:
                 msg = str(sim.get("error_message") or "Simulated failure during generation")
                 events += [wire.stream_error_event(msg), wire.DONE]
-        ttft = _ms(sim.get("ttft_ms"), s.ttft_ms)
+        ttft = prefill_s + _ms(sim.get("ttft_ms"), s.ttft_ms)
         gap = _ms(sim.get("token_delay_ms"), s.token_delay_ms)
         if ttft <= 0 and gap <= 0:
             await resp.write(b"".join(events))
@@ -352,11 +362,11 @@ class SimServer:
         return wire.json_response({"prompt": tokenizer.decode(tokens)})
 
     async def get_stats(self, request: web.Request) -> web.Response:
-        return wire.json_response(self.stats.to_dict())
+        return wire.json_response({"id": self.settings.id, **self.stats.to_dict()})
 
     async def reset_stats(self, request: web.Request) -> web.Response:
         self.stats.reset()
-        return wire.json_response(self.stats.to_dict())
+        return await self.get_stats(request)
 
     async def get_requests(self, request: web.Request) -> web.Response:
         out = [

@@ -21,6 +21,10 @@ class SimSettings:
     max_model_len: int = 32768
     ttft_ms: float = 0.0
     token_delay_ms: float = 0.0
+    # simulated prefill: this many µs per prompt token not served from the prefix cache, before the
+    # first token (added to ttft_ms); makes cache-aware routing measurable
+    prefill_us_per_token: float = 0.0
+    id: str = ""  # names this server in the `x-sim-id` header and /sim/stats (default: host:port)
     seed: int = 0
     reply_tokens: int = 24
     reasoning_models: list[str] = field(default_factory=list)
@@ -78,7 +82,7 @@ MAX_RULES = 200
 _FIELDS = {f.name for f in dataclasses.fields(SimSettings)}
 _BOOLS = {"ignore_stop", "forced_tool_choice_fails", "legacy_length_check", "no_prompt_tokens_details"}
 _INTS = {"max_model_len", "seed", "reply_tokens"}
-_FLOATS = {"ttft_ms", "token_delay_ms"}
+_FLOATS = {"ttft_ms", "token_delay_ms", "prefill_us_per_token"}
 _LISTS = {"models", "reasoning_models"}
 
 
@@ -104,6 +108,10 @@ def _coerce(name: str, value: Any) -> Any:
         return value
     if name == "rules":
         return _rules(value)
+    if name == "id":
+        if not isinstance(value, str):
+            raise ValueError("`id` must be a string")
+        return value
     if name == "api_key":
         if value is not None and not isinstance(value, str):
             raise ValueError("`api_key` must be a string or null")
