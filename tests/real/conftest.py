@@ -68,12 +68,15 @@ def llama(request: pytest.FixtureRequest) -> Iterator[LlamaServer]:
             print(f"kiln-real: {line}", file=sys.stderr)
 
     logs = Path(tempfile.mkdtemp(prefix="kiln-real-"))
+    problem = None
     try:
         prepared = prepare(say)
         _NOTES.extend(prepared.notes)
         server = LlamaServer.start(prepared, free_port(), SLOTS, CTX_PER_SLOT, MODEL, logs / "llama-server.log")
     except PrepareError as exc:
-        pytest.fail(f"the real llama.cpp server is not available: {exc}", pytrace=False)
+        problem = str(exc)
+    if problem is not None:
+        pytest.fail(f"the real llama.cpp server is not available: {problem}", pytrace=False)
     yield server
     server.stop()
 

