@@ -349,3 +349,23 @@ def test_routing_mistakes_are_reported_with_their_place(tmp_path: Path) -> None:
     line_with_any(out, ("models[m1].backends[0].weight", "positive integer"))
     line_with(out, "models[m1].backends[0].max_in_flight", "positive integer")
     line_with(out, "models[m1].backends[0].idle_timeout_s", "seconds > 0")
+
+
+def test_backend_kind_is_checked_and_kept(tmp_path: Path) -> None:
+    from kiln import config
+
+    model = """
+        [[models]]
+        id = "m1"
+        context_window = 4096
+        prices = { input = "1", output = "2" }
+        [[models.backends]]
+        url = "http://127.0.0.1:9/v1"
+        kind = "%s"
+    """
+    out = problems(serve(tmp_path, model % "tgi"))
+    line_with(out, "models[m1].backends[0].kind", "vllm, sglang, llamacpp, openai", "'tgi'")
+    path = tmp_path / "ok.toml"
+    path.write_text(model % "llamacpp")
+    [backend] = config.build_catalog(config.load(path, env={}), env={}).models[0].backends
+    assert backend.kind == "llamacpp"

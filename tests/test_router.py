@@ -221,7 +221,7 @@ def test_503_fails_over_and_ejects_the_backend_until_it_recovers() -> None:
     with cluster("ab", routing=routing) as c:
         a = c.sims["a"]
         a.configure(rules=[{"when": "MARKER", "sim": {"status": 503}}])
-        for i in range(12):
+        for i in range(40):  # each lands on a with p=1/2; its third failure ejects it
             r = c.chat(f"MARKER {i}")
             assert r.status_code == 200, r.text  # failed over to b
             if c.backends()["a"]["state"] == "ejected":

@@ -27,6 +27,7 @@ and ends with `*** End Patch`.
 - When you are done, reply with a short summary of what you changed and what is left to do."""
 
 
+BACKEND_KINDS = ("vllm", "sglang", "llamacpp", "openai")
 DEFAULT_MAX_IN_FLIGHT = 1024  # per backend, and the size of its connection pool
 
 
@@ -63,6 +64,7 @@ class Backend:
     weight: int = 1  # share of traffic relative to the model's other backends
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     timeouts: Timeouts = field(default_factory=Timeouts)
+    kind: str = ""  # vllm | sglang | llamacpp | openai (kiln.backends); "": detected at the first health check
     state: BackendState = field(default_factory=BackendState)
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kiln.catalog import DEFAULT_MAX_IN_FLIGHT, TOOL_CHOICE_MODES, Backend, Capabilities, Catalog, Model, Timeouts
+from kiln.catalog import BACKEND_KINDS, DEFAULT_MAX_IN_FLIGHT, TOOL_CHOICE_MODES, Backend, Capabilities, Catalog, Model, Timeouts
 from kiln.core.money import Prices
 
 DEFAULT_PORT = 8080
@@ -176,7 +176,7 @@ _MODEL_FIELDS = {
     "id", "aliases", "backends", "context_window", "max_output_tokens", "prices",
     "capabilities", "family", "owned_by", "simulated",
 }
-_BACKEND_FIELDS = {"url", "model", "api_key_env", "weight", "max_in_flight", *_TIMEOUT_FIELDS}
+_BACKEND_FIELDS = {"url", "model", "api_key_env", "weight", "max_in_flight", "kind", *_TIMEOUT_FIELDS}
 _PRICE_FIELDS = ("input", "cached_input", "output")
 _CAP_FIELDS = {"image_input", "tool_choice", "parallel_tool_calls", "reasoning", "response_format"}
 
@@ -402,6 +402,7 @@ def _backend(b: dict[str, Any], model_id: str, env: dict[str, str], routing: Rou
         weight=b.get("weight", 1),
         max_in_flight=b.get("max_in_flight", routing.max_in_flight),
         timeouts=Timeouts(**{attr: float(b.get(name, getattr(t, attr))) for name, attr in _TIMEOUT_FIELDS.items()}),
+        kind=b.get("kind", ""),
     )
 
 
@@ -459,6 +460,9 @@ def _check_model(m: Any, where: str, env: dict[str, str], problems: list[str]) -
             problems.append(f"{bw}.url: expected an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}")
         if "model" in b and not isinstance(b["model"], str):
             problems.append(f"{bw}.model: expected the upstream model name")
+        if "kind" in b and b["kind"] not in BACKEND_KINDS:
+            problems.append(f"{bw}.kind: expected one of {', '.join(BACKEND_KINDS)} (or leave it out: detected), "
+                            f"got {b['kind']!r}")
         for name, rule in (("weight", "positive"), ("max_in_flight", "positive"),
                            *((name, "seconds") for name in _TIMEOUT_FIELDS)):
             if name in b:

@@ -139,7 +139,7 @@ def error_type(status: int, from_backend: bool = False) -> str:
     """The error-type label of a response status; `from_backend` for a model server's failure."""
     if status < 400:
         return "none"
-    if from_backend:
+    if from_backend and status >= 500:  # a 4xx the backend gave is still the request's fault
         return "backend"
     return _BY_STATUS.get(status, "other")
 

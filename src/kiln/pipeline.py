@@ -33,7 +33,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kiln import access_log, metrics, observe, tokenizer, tracing
+from kiln import access_log, backends, metrics, observe, tracing
+from kiln.assemble import assemble
 from kiln.affinity import affinity_key
 from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
@@ -98,6 +99,7 @@ class _Run:
     backend_s: float = 0.0  # time spent waiting for the backend (the rest is the gateway's own)
     metered: tuple[UsageEvent, Usage] | None = None  # the event, once recorded
     lease: Lease | None = None  # the backend's in-flight slot, released with the outcome in _release
+    streamed: bool = False  # the backend was asked to stream (kiln.backends: also for some JSON clients)
     outcome: Outcome = Outcome.OK  # what the request says of the backend's health
 
 
@@ -216,11 +218,11 @@ class Gateway:
 
         async def post(backend: Backend) -> aiohttp.ClientResponse:
             run.backend = backend
-            body = _encode(call, backend)
+            body, run.streamed = _prepared(call, backend)
             headers = tracing.backend_headers(run.trace, call.model.id, backend.url)
             sent = time.monotonic()
             try:
-                return await self.upstream.post(backend, call.path, body, stream=call.stream,
+                return await self.upstream.post(backend, call.path, body, stream=run.streamed,
                                                 deadline=run.deadline, headers=headers)
             finally:
                 run.backend_s += time.monotonic() - sent
@@ -256,11 +258,20 @@ class Gateway:
         return Response(body, media_type="application/json", headers=headers)
 
     async def _fetch(self, run: _Run) -> bytes:
+        """The backend's JSON answer; assembled from its stream when it was asked to stream."""
         resp = await self._send(run)
         started = time.monotonic()
         try:
-            return await self.upstream.read(resp)
+            if not run.streamed:
+                return await self.upstream.read(resp)
+            stops = run.call.body.get("stop") or []
+            answer = await assemble(self.upstream.events(resp), run.call.path == "/chat/completions",
+                                    [stops] if isinstance(stops, str) else stops)
+            run.delivered = answer.pieces  # the output's size if the backend's usage never came
+            return answer.body
         finally:
+            if run.streamed:
+                resp.close()  # cancels what is left of the generation (and llama.cpp closes it anyway)
             run.backend_s += time.monotonic() - started
 
     # -- streaming -------------------------------------------------------------
@@ -389,12 +400,12 @@ class Gateway:
                      trace: tracing.Trace) -> Response:
         """The exact prompt size from a backend's tokenizer; an estimate (logged) if none can count."""
         try:
-            backends = self.router.candidates(call.model)
+            candidates = self.router.candidates(call.model)
         except GatewayError:
-            backends = []
-        count = await tokenizer.count(self.upstream, backends, call.tokenize)
+            candidates = []
+        count = await backends.count(self.upstream, candidates, call.tokenize)
         if count is None:
-            count = tokenizer.estimate(call.tokenize)
+            count = backends.estimate(call.tokenize)
             log.warning("count_tokens for %s is an estimate: no backend tokenizer answered", call.model.id)
         observe.finished(tr.endpoint, call.model.id, 200, "none", started=started, key=key, event=None,
                          backend_url=None, backend_s=0.0, trace=trace)
@@ -452,9 +463,9 @@ class Gateway:
         call = run.call
         prompt = None
         if run.backend is not None:
-            prompt = await tokenizer.count(self.upstream, [run.backend], call.tokenize)
+            prompt = await backends.count(self.upstream, [run.backend], call.tokenize)
         if prompt is None:
-            prompt = tokenizer.estimate(call.tokenize)
+            prompt = backends.estimate(call.tokenize)
             log.warning("usage for %s estimated without the backend's tokenizer", run.generation_id)
         completion = min(run.delivered, call.max_output_tokens * call.outputs)
         return Usage(min(prompt, call.model.context_window), 0, completion, 0, exact=False)
@@ -493,9 +504,9 @@ def _translated(tr: Translator, body: Any) -> UpstreamCall:
         raise errors.invalid(TOO_DEEP) from None
 
 
-def _encode(call: UpstreamCall, backend: Backend) -> bytes:
+def _prepared(call: UpstreamCall, backend: Backend) -> tuple[bytes, bool]:
     try:
-        return call.encode(backend.model)
+        return backends.prepare(call, backend)
     except orjson.JSONEncodeError:
         raise errors.invalid(TOO_DEEP) from None
 

@@ -32,6 +32,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import ClientResponse
 
+from kiln import backends
 from kiln.affinity import Ring
 from kiln.catalog import Backend, Catalog, Model
 from kiln.config import Routing
@@ -274,6 +275,9 @@ class Router:
         problem, unreachable = await self.upstream.probe(backend, min(self.health_interval_s, 5.0))
         before = backend.state.status
         if problem is None:
+            if not backend.kind:  # the first passing check: what kind of server is it
+                backend.kind = await backends.detect(self.upstream, backend)
+                log.info("backend %s is a %s server", backend.state.label, backend.kind)
             backend.state.check_passed()
         else:
             backend.state.check_failed(problem, unreachable)
@@ -288,6 +292,7 @@ class Router:
                 "model": m.id,
                 "url": _without_credentials(b.url),
                 "upstream_model": b.model,
+                "kind": b.kind or "not detected yet",
                 "weight": b.weight,
                 "max_in_flight": b.max_in_flight,
                 **b.state.view(),

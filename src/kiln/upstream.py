@@ -163,6 +163,17 @@ class Upstream:
         except orjson.JSONDecodeError:
             raise errors.bad_gateway("The model backend returned a malformed response.") from None
 
+    async def get_json(self, backend: Backend, url: str, timeout_s: float = 5.0) -> object:
+        """A small GET (what kind of server it is): the parsed JSON answer of a 200, else None."""
+        assert self.session is not None
+        headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None
+        try:
+            async with self.session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                raw = await resp.content.read(_ERROR_BODY_BYTES)
+                return orjson.loads(raw) if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError):
+            return None
+
     async def probe(self, backend: Backend, timeout_s: float = 5.0) -> tuple[str | None, bool]:
         """Health check: GET /health, or /v1/models on a server without /health (404).
 

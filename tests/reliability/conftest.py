@@ -70,6 +70,7 @@ max_output_tokens = 4096
 prices = {{ input = "0.10", cached_input = "0.05", output = "0.30" }}
 [[models.backends]]
 url = "{url}/v1"
+kind = "vllm"  # what it imitates: its JSON faults reach the gateway as JSON (no stream for JSON clients)
 """
 
 

@@ -276,6 +276,7 @@ def create_app(settings: SimSettings) -> web.Application:
     r.add_post("/v1/completions", bind(completions))
     r.add_get("/v1/models", srv.models)
     r.add_get("/health", srv.health)
+    r.add_get("/version", srv.version)
     r.add_post("/tokenize", srv.tokenize)
     r.add_post("/detokenize", srv.detokenize)
     r.add_get("/sim/stats", srv.get_stats)

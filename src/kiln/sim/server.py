@@ -301,6 +301,10 @@ class SimServer:
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
 
+    async def version(self, request: web.Request) -> web.Response:
+        """vLLM's GET /version (how a gateway can tell what kind of server it is)."""
+        return wire.json_response({"version": "0.33.0+kiln.sim"})
+
     async def models(self, request: web.Request) -> web.Response:
         denied = self.auth(request)
         if denied is not None:

@@ -125,6 +125,9 @@ class Passthrough(ChatBacked):
             if not choices_of(data):  # the usage chunk: held back for finish()
                 self._usage_chunk, self._chunk_usage = data, usage
                 return b"", usage, 0, False
+            if "usage" in data:  # usage riding on a content chunk (llama.cpp's completions): the client
+                self._hold_usage(data)  # sees usage only in the usage chunk, and only if it asked
+                payload = orjson.dumps(data)
         if not self._named:
             self._name_stream(backend_json(payload))
         if self._model_from:
@@ -140,7 +143,8 @@ class Passthrough(ChatBacked):
         if not choices and usage is not None:
             self._usage_chunk, self._chunk_usage = data, usage
             return b"", usage, 0, False
-        data.pop("usage", None)
+        if "usage" in data:
+            self._hold_usage(data)
         if not self._named:
             self._name_stream(data)
         data["model"] = self.name
@@ -151,6 +155,14 @@ class Passthrough(ChatBacked):
             return b"", usage, 0, ended
         data["choices"] = keep
         return b"data: " + orjson.dumps(data) + b"\n\n", usage, 1, ended
+
+    def _hold_usage(self, data: dict[str, Any]) -> None:
+        """Take the usage off a content chunk, kept as the usage chunk finish() would send."""
+        usage = data.pop("usage")
+        if isinstance(usage, dict):
+            self._usage_chunk = {"id": data.get("id", ""), "object": self.chunk_object,
+                                 "created": data.get("created", 0), "choices": [], "usage": usage}
+            self._chunk_usage = Usage.from_openai(usage)
 
     def _note_finish(self, reason: Any) -> None:
         if self._finish_reason is None and isinstance(reason, str):
