@@ -21,7 +21,7 @@ from kiln.core.records import SPEND_RESETS
 from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str, usd_to_nano
 from kiln.http import read_body
-from kiln.core.propagation import save_maintenance
+from kiln.core.maintenance import save as save_maintenance
 from kiln.pipeline import Gateway
 from kiln.protocols.openai.errors import openai_error
 

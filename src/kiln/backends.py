@@ -40,7 +40,7 @@ import orjson
 
 from kiln.catalog import Backend
 from kiln.core.errors import GatewayError
-from kiln.protocols.base import UpstreamCall
+from kiln.protocols.base import UpstreamCall, prompt_of
 from kiln.upstream import Upstream
 
 log = logging.getLogger("kiln.backends")
@@ -60,7 +60,6 @@ KINDS = {
     "openai": Kind("openai", "", False),
 }
 BYTES_PER_TOKEN = 4  # English and JSON on common tokenizers: about 3.5-4
-_TEMPLATE_KEYS = ("tools", "chat_template_kwargs", "continue_final_message", "add_generation_prompt")
 
 
 def kind_of(backend: Backend) -> Kind:
@@ -142,7 +141,7 @@ async def _count_by_template(upstream: Upstream, backend: Backend, payload: dict
     if "messages" in payload:
         rendered = await upstream.post_json(
             backend, root + "/apply-template",
-            {"messages": payload["messages"], **{k: payload[k] for k in _TEMPLATE_KEYS if k in payload}}, timeout_s)
+            prompt_of(payload), timeout_s)
         prompts: list[Any] = [rendered.get("prompt")] if isinstance(rendered, dict) else [None]
     else:
         prompts = _prompts(payload.get("prompt"))

@@ -24,8 +24,6 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from email.utils import format_datetime
 from typing import Any, Callable
 
 import aiohttp
@@ -45,6 +43,7 @@ from kiln.core.clock import Clock
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
 from kiln.core.ledger import Ledger, new_generation_id
+from kiln.core.maintenance import Maintenance
 from kiln.core.records import ApiKey, Usage, UsageEvent
 from kiln.http import StreamResponse, Write, read_body, wait_disconnect
 from kiln.protocols.base import Context, Translator, UpstreamCall
@@ -60,24 +59,6 @@ BUDGET_NOTE = "Output stopped: the remaining credit, budget or key spend limit c
 KEY_NOTE = "This API key is no longer active: the stream was stopped."
 
 MakeTranslator = Callable[[Context], Translator]
-
-
-@dataclass
-class Maintenance:
-    clock: Clock
-    until: float | None = None  # Unix time; None: not in maintenance
-    message: str = "The service is in maintenance."
-
-    @property
-    def active(self) -> bool:
-        return self.until is not None and self.until > self.clock.time()
-
-    def error(self) -> GatewayError:
-        assert self.until is not None
-        when = format_datetime(datetime.fromtimestamp(self.until, timezone.utc), usegmt=True)
-        err = errors.unavailable(f"{self.message} Retry after {when}.", headers={"Retry-After": when})
-        err.reason = "maintenance"
-        return err
 
 
 @dataclass
@@ -491,6 +472,7 @@ class Gateway:
                          event=run.metered[0] if run.metered is not None else None,
                          backend_url=run.backend.url if run.backend else None, backend_s=run.backend_s,
                          trace=run.trace)
+
 
 TOO_DEEP = "The request is nested too deeply to forward (at most 254 levels)."
 

@@ -19,7 +19,8 @@ from kiln.core.admission import AdmissionControl, MemoryAdmission
 from kiln.core.clock import CLOCK, Clock
 from kiln.core.keys import hash_key
 from kiln.core.ledger import Ledger
-from kiln.core.propagation import Propagation, load_maintenance
+from kiln.core.maintenance import Maintenance, load as load_maintenance
+from kiln.core.propagation import Propagation
 from kiln.core.spool import Spool
 from kiln.store import make_store
 from kiln.store.base import Store
@@ -74,7 +75,7 @@ async def open_parts(settings: Settings, *, store: Store | None = None, admissio
     return parts
 
 
-async def start_propagation(parts: Parts, settings: Settings, maintenance: Any) -> None:
+async def start_propagation(parts: Parts, settings: Settings, maintenance: Maintenance) -> None:
     """Load the stored maintenance mode into the gateway's, and, on a shared database, keep
     keys, limits, balances and maintenance in step with the other processes."""
     await load_maintenance(parts.store, maintenance)

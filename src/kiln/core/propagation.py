@@ -15,34 +15,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Awaitable, Callable
+from typing import Awaitable, Callable
 
-import orjson
 
 from kiln.core.accounts import Accounts
+from kiln.core.maintenance import Maintenance, load as load_maintenance
 from kiln.store.base import CreditBalances, Store
 
 log = logging.getLogger("kiln.propagation")
 
-MAINTENANCE_META = "maintenance"
 DEBOUNCE_S = 0.05  # a burst of notices costs one refresh
 
 
-async def load_maintenance(store: Store, maintenance: Any) -> None:
-    """Maintenance mode as stored (pipeline.Maintenance: until, message)."""
-    raw = await store.get_meta(MAINTENANCE_META)
-    if raw:
-        stored = orjson.loads(raw)
-        maintenance.until, maintenance.message = stored.get("until"), stored.get("message") or maintenance.message
-
-
-async def save_maintenance(store: Store, maintenance: Any) -> None:
-    await store.set_meta(MAINTENANCE_META, orjson.dumps({"until": maintenance.until,
-                                                         "message": maintenance.message}).decode())
-
-
 class Propagation:
-    def __init__(self, store: Store, accounts: Accounts, maintenance: Any, every_s: float,
+    def __init__(self, store: Store, accounts: Accounts, maintenance: Maintenance, every_s: float,
                  push_balances: Callable[[CreditBalances], Awaitable[None]] | None = None) -> None:
         self.store = store
         self.accounts = accounts

@@ -98,6 +98,15 @@ class Translator(Protocol):
     def finish_reason(self) -> str | None: ...
 
 
+# The chat-request fields a chat template reads: what a tokenizer needs besides the messages.
+TEMPLATE_KEYS = ("tools", "chat_template_kwargs", "continue_final_message", "add_generation_prompt")
+
+
+def prompt_of(chat: dict[str, Any]) -> dict[str, Any]:
+    """The part of a chat request that makes its prompt, for the backend's tokenizer."""
+    return {k: chat[k] for k in ("messages", *TEMPLATE_KEYS) if k in chat}
+
+
 def new_id(prefix: str) -> str:
     """A unique id for a response object or item: 96 random bits, no syscall (not a secret)."""
     return f"{prefix}{random.getrandbits(96):024x}"

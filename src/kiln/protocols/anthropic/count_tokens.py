@@ -16,10 +16,7 @@ import orjson
 
 from kiln.core.records import Usage
 from kiln.protocols.anthropic.messages import MessagesTranslator
-from kiln.protocols.base import UpstreamCall
-
-_TEMPLATE_KEYS = ("tools", "chat_template_kwargs", "continue_final_message", "add_generation_prompt")
-
+from kiln.protocols.base import UpstreamCall, prompt_of
 
 class CountTokensTranslator(MessagesTranslator):
     endpoint = "messages.count_tokens"
@@ -27,8 +24,7 @@ class CountTokensTranslator(MessagesTranslator):
     def request(self, body: Any) -> UpstreamCall:
         model, mapped = self.prompt(body)
         chat = mapped.chat
-        tokenize = {"messages": chat["messages"], "add_generation_prompt": True}
-        tokenize.update((k, chat[k]) for k in _TEMPLATE_KEYS if k in chat)
+        tokenize = {"add_generation_prompt": True, **prompt_of(chat)}
         return UpstreamCall(model, "/tokenize", chat, False, 0, tokenize=tokenize, kind="count")
 
     def render(self, usage: Usage, cost_nano: int) -> bytes:

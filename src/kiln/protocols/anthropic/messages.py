@@ -23,7 +23,7 @@ from kiln.core.records import Usage
 from kiln.protocols import capabilities
 from kiln.protocols.anthropic.blocks import Blocks
 from kiln.protocols.anthropic.request import Prompt, build_chat, estimate_tokens
-from kiln.protocols.base import JSON, Context, Reply, Step, UpstreamCall, new_id, positive_int, sse_event
+from kiln.protocols.base import JSON, Context, Reply, Step, UpstreamCall, new_id, positive_int, prompt_of, sse_event
 from kiln.protocols.chat_backed import (
     ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag, text_of, tool_calls_of,
 )
@@ -111,9 +111,7 @@ class MessagesTranslator(ChatBacked):
             # Continuous stats put the prompt size on the first chunk (for message_start) and keep
             # billing exact when a stop sequence or a leaving client ends the stream early.
             chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        tokenize = {k: chat[k] for k in ("messages", "tools", "chat_template_kwargs", "continue_final_message",
-                                         "add_generation_prompt") if k in chat}
-        return UpstreamCall(model, "/chat/completions", chat, stream, cap, tokenize=tokenize)
+        return UpstreamCall(model, "/chat/completions", chat, stream, cap, tokenize=prompt_of(chat))
 
     def _clamp(self, asked: int, model_max: int) -> int:
         """max_tokens that fits the context with the prompt, by estimate.
