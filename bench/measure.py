@@ -17,7 +17,8 @@ from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from load import Load, Result
-from servers import LITELLM_KEY, BenchError, Server, http, last_upstream_body, set_sim_rules
+from servers import (LITELLM_KEY, BenchError, Server, first_upstream_body, forget_requests, http,
+                     set_sim_rules, settle)
 from workloads import Workload, check, make, sse_events, text_deltas
 
 TARGETS = ("direct", "bare", "kiln", "litellm")
@@ -75,7 +76,12 @@ def prepare(b: Bench, w: Workload, targets: list[str]) -> dict[str, Load | str]:
         server = b.servers[target]
         path, body = b.request(target, w)
         headers = b.headers(target, w)
-        status, _, raw = http("POST", server.url + path, body, headers, timeout=120)
+        if target == "kiln":
+            forget_requests(b.sim)
+        try:
+            status, _, raw = http("POST", server.url + path, body, headers, timeout=120)
+        except OSError as exc:  # refused, reset, timed out
+            status, raw = 0, f"{type(exc).__name__}: {exc}".encode()
         if target in ("direct", "bare"):  # the chat call may stream where the client did not (Messages)
             problem = check(_upstream_protocol(w), bool(body.get("stream")), w.tokens, status, raw)
         else:
@@ -84,7 +90,7 @@ def prepare(b: Bench, w: Workload, targets: list[str]) -> dict[str, Load | str]:
             if problem:
                 raise BenchError(f"{w.key} through Kiln: {problem}")
             b.kiln_sent += 1
-            w.direct = last_upstream_body(b.sim)
+            w.direct = first_upstream_body(b.sim)
         if problem:
             if target == "litellm":
                 out[target] = f"LiteLLM cannot serve {w.key}: {problem[:200]}"
@@ -109,6 +115,7 @@ def measure(b: Bench, target: str, load: Load, conc: int, what: str, seconds: fl
     res = b.run(load, conc, seconds, b.load_cpu)
     res.cpu_us = (server.cpu_seconds() - before) * 1e6 / max(res.requests, 1)
     runs.append(res)
+    settle(server)
     for r in runs:
         if r.errors and target != "litellm":
             raise BenchError(f"{what} via {target}: {r.errors} failed requests (non-2xx, socket errors or timeouts)"

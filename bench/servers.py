@@ -306,13 +306,28 @@ def set_sim_rules(sim: Server, rules: list[dict[str, Any]]) -> None:
         raise BenchError(f"simulator rules: HTTP {status}: {raw!r}")
 
 
-def last_upstream_body(sim: Server) -> dict[str, Any]:
-    """The body of the latest request the simulator received (to replay it directly)."""
+def forget_requests(sim: Server) -> None:
+    http("DELETE", sim.url + "/sim/requests")
+
+
+def first_upstream_body(sim: Server) -> dict[str, Any]:
+    """The body of the first request the simulator received since forget_requests()."""
     status, _, raw = http("GET", sim.url + "/sim/requests")
     entries = json.loads(raw) if status == 200 else []
     if not entries:
         raise BenchError("the simulator recorded no request")
-    return dict(entries[-1]["body"])
+    return dict(entries[0]["body"])
+
+
+def settle(server: Server, timeout: float = 30.0) -> None:
+    """Wait until the server is idle (under 5% CPU over 0.2 s): a slow gateway may still be working
+    off requests its client gave up on, which would disturb the next cell."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = server.cpu_seconds()
+        time.sleep(0.2)
+        if server.cpu_seconds() - before < 0.01:
+            return
 
 
 def cpus_for(no_pin: bool) -> tuple[int | None, int | None, str]:
