@@ -74,8 +74,9 @@ def summary(path: Path, top: int) -> str:
 
     lines = [f"{total:,} samples on CPU (all threads)", "", "own time:"]
     lines += [f"  {w * 100 / total:5.1f}%  {name(i)}" for i, w in own.most_common(top)]
-    lines += ["", "inclusive:"]
-    lines += [f"  {w * 100 / total:5.1f}%  {name(i)}" for i, w in inclusive.most_common(top)]
+    lines += ["", "inclusive (without the frames under every sample: the server's entry points):"]
+    inner = [(i, w) for i, w in inclusive.most_common() if w < 0.98 * total][:top]
+    lines += [f"  {w * 100 / total:5.1f}%  {name(i)}" for i, w in inner]
     return "\n".join(lines)
 
 

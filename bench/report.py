@@ -101,15 +101,16 @@ def slow_lines(s: SlowResult, limit_mb: float = 300.0) -> list[str]:
            f"{s.seconds:.0f} s (all opened in {s.open_s:.0f} s); up to {s.peak_open:,} open at once at the client, "
            f"{s.upstream_peak:,} at the simulator; gateway RSS idle "
            f"{s.idle_rss_mb:.0f} MiB, peak {s.peak_rss_mb:.0f} MiB ({s.kb_per_stream:.0f} KiB per stream); "
-           f"ledger {s.metered:,} events; {'OK' if ok else 'MISS'} (all open at once, all complete, "
-           f"peak ≤ {limit_mb:.0f} MB)"]
-    if s.peak_open < s.n:
+           f"ledger {s.metered:,} events; gateway open files up to {s.peak_fds:,} (limit {s.fd_limit:,}); "
+           f"{'OK' if ok else 'MISS'} (all open at once, all complete, peak ≤ {limit_mb:.0f} MB)"]
+    if s.peak_open < s.completed:
         out.append(f"  - only {s.peak_open:,} of {s.n:,} were open at once: the first ended before the last opened "
                    "(a busy gateway opens them slowly; lengthen them with --slow-tokens)")
     if s.problems:
         out.append("  - failures: " + "; ".join(f"{n}× {p}" for p, n in s.problems.items()))
-    if s.fd_exhausted:
-        out.append("  - the gateway ran out of file descriptors (\"Too many open files\" in its log)")
+    if s.fd_exhausted or s.peak_fds >= s.fd_limit - 16:
+        out.append(f"  - the gateway ran out of file descriptors (limit {s.fd_limit:,}; raise it with "
+                   "--gateway-nofile to see what else limits it)")
     return out
 
 

@@ -123,13 +123,13 @@ def run(a: argparse.Namespace, stack: ExitStack, tmp: Path, load_fn: object, pin
     out = [f"- idle CPU of each gateway: {idle_cpu(servers)}"]
     if "table" in a.sections:
         print("side-by-side table:", flush=True)
-        rows = table(b, table_workloads(a.protocols, a.modes), a.levels,
-                     ["direct", *[t for t in a.targets if t != "direct"]], a.repeat)
-        text, notes = report.main_table(rows, ["direct", *[t for t in a.targets if t != "direct"]])
+        columns = ["direct", *[t for t in a.targets if t != "direct"]]
+        rows = table(b, table_workloads(a.protocols, a.modes), a.levels, columns, a.repeat)
+        text, notes = report.main_table(rows, columns)
         out = [text, "", *[f"[{i}] {n}" for i, n in enumerate(notes, 1)], *out]
         if "stream" in a.modes:
             print("first token at c=1:", flush=True)
-            ttft = first_token(b, a.protocols, ["direct", *[t for t in a.targets if t != "direct"]])
+            ttft = first_token(b, a.protocols, columns)
             out += ["", "Time to the first text chunk, c=1, p50 ms (added over direct):", "",
                     *report.first_token_table(ttft), ""]
         out += ["- targets (issue 14):", *[f"  - {t}" for t in report.targets(rows)]]
@@ -187,7 +187,8 @@ def main() -> int:
           + (f"{lite['version']} (proxy requirements skipped: {', '.join(lite['skipped']) or 'none'})"  # type: ignore[arg-type]
              if lite else "not installed"))
     print(f"- {pin_note}; 1-min load average before the run: {load_before:.2f} (other work skews the numbers); "
-          f"gateway open-file limit {a.gateway_nofile or START_NOFILE[0]:,}; run took {time.monotonic() - started:.0f} s"
+          f"gateway open-file limit {a.gateway_nofile or START_NOFILE[0]:,} asked (at most the hard limit, "
+          f"{START_NOFILE[1]:,}, without CAP_SYS_RESOURCE); run took {time.monotonic() - started:.0f} s"
           + (f"\n- logs, configs and database kept in {tmp}" if a.keep else ""))
     return 0
 

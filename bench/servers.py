@@ -90,6 +90,23 @@ class Server:
         """Peak resident set size (VmHWM, summed over the tree), MiB."""
         return self._status_kb("VmHWM:") / 1024
 
+    def open_files(self) -> int:
+        """File descriptors open in the process tree now."""
+        total = 0
+        for pid in self.pids():
+            try:
+                total += len(os.listdir(f"/proc/{pid}/fd"))
+            except OSError:
+                continue
+        return total
+
+    def nofile_limit(self) -> int:
+        """The open-file limit the process actually has (soft)."""
+        for line in Path(f"/proc/{self.proc.pid}/limits").read_text().splitlines():
+            if line.startswith("Max open files"):
+                return int(line.split()[3])
+        return 0
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 
@@ -115,7 +132,14 @@ def raise_nofile(wanted: int) -> int:
 
 
 def _limit_nofile(limit: tuple[int, int]) -> Callable[[], None]:
-    return lambda: resource.setrlimit(resource.RLIMIT_NOFILE, limit)
+    def apply() -> None:  # in the child, before exec
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, limit)
+        except (ValueError, OSError):  # above the hard limit without CAP_SYS_RESOURCE: as high as allowed
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(limit[0], hard), hard))
+
+    return apply
 
 
 def spawn(stack: ExitStack, cmd: list[str], log: Path, env: dict[str, str] | None = None,

@@ -39,6 +39,8 @@ class SlowResult:
     metered: int  # usage events for the slow streams in the ledger
     open_s: float  # time to open them all
     peak_open: int  # most streams the load generator had open at once
+    peak_fds: int  # most file descriptors the gateway had open
+    fd_limit: int  # the gateway's open-file limit
 
     @property
     def kb_per_stream(self) -> float:
@@ -66,7 +68,7 @@ def slow_streams(b: Bench, stack: ExitStack, tmp: Path, n: int, protocol: str, s
     body_file = kiln_tmp / "body.json"
     body_file.write_text(json.dumps(body))
     http("POST", b.sim.url + "/sim/stats/reset")
-    idle = kiln.rss_mb()
+    idle, fd_limit = kiln.rss_mb(), kiln.nofile_limit()
     headers = [f"{k}: {v}" for k, v in quick.headers("kiln", w).items()]
     cmd = [PY, str(HERE / "slow_client.py"), "--url", kiln.url, "--path", path, "--body-file", str(body_file),
            "--protocol", protocol, "--tokens", str(tokens), "--n", str(n), "--rate", str(rate),
@@ -87,7 +89,8 @@ def slow_streams(b: Bench, stack: ExitStack, tmp: Path, n: int, protocol: str, s
     result = SlowResult(n, completed, summary["problems"], idle, max(peak.peak, kiln.peak_rss_mb()),
                       int(stats.get("max_in_flight", 0)), time.monotonic() - start,
                       "Too many open files" in kiln.log.read_text(errors="replace"), protocol,
-                      events - quick.kiln_sent, float(summary["open_s"]), int(summary["peak_open"]))
+                      events - quick.kiln_sent, float(summary["open_s"]), int(summary["peak_open"]),
+                      peak.peak_fds, fd_limit)
     stop(kiln.proc)  # free the gateway's core for what follows
     return result
 
@@ -96,7 +99,7 @@ class _Sampler:
     """Samples a server's RSS every half second while in the `with` block; keeps the peak."""
 
     def __init__(self, server: Server, every: float = 0.5) -> None:
-        self.server, self.every, self.peak = server, every, 0.0
+        self.server, self.every, self.peak, self.peak_fds = server, every, 0.0, 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -104,6 +107,7 @@ class _Sampler:
         while not self._stop.wait(self.every):
             if self.server.alive():
                 self.peak = max(self.peak, self.server.rss_mb())
+                self.peak_fds = max(self.peak_fds, self.server.open_files())
 
     def __enter__(self) -> "_Sampler":
         self._thread.start()
