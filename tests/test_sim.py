@@ -492,6 +492,23 @@ def test_client_disconnect_counts_as_cancelled(sim: Sim) -> None:
     assert stats["total"] == 2 and stats["max_in_flight"] >= 1
 
 
+def test_sparse_polling_still_streams_every_token_and_notices_a_disconnect(sim: Sim) -> None:
+    """sim.poll_ms (the benchmark's thousands of slow streams): fewer wake-ups, same stream,
+    and a client that goes away mid-delay is still counted as cancelled at once."""
+    slow = {"token_delay_ms": 300, "poll_ms": 300, "reply_tokens": 3}
+    start = time.monotonic()
+    events = sim.stream_events("/v1/chat/completions", {"model": MODEL, "messages": USER, "stream": True, "sim": slow})
+    assert time.monotonic() - start >= 2 * 0.3 - 0.02
+    assert sum(1 for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["delta"].get("content")) == 3
+    assert events[-1] == "[DONE]"
+    sim.http.post("/sim/stats/reset")
+    body = {"model": MODEL, "messages": USER, "stream": True, "sim": {"token_delay_ms": 10_000, "poll_ms": 10_000}}
+    with httpx.Client(base_url=sim.base) as client, client.stream("POST", "/v1/chat/completions", json=body) as r:
+        next(r.iter_lines())  # the role chunk, then a 10 s gap
+    stats = _wait_stats(sim, "cancelled", 1)
+    assert stats["cancelled"] == 1 and stats["in_flight"] == 0
+
+
 # --------------------------------------------------------------------------- completions
 
 

@@ -17,6 +17,8 @@ Per-request control object, body key ``"sim"`` (all keys optional; never part of
     headers: {str: str}     extra response headers (e.g. Retry-After with status 429)
     delay_ms: number        sleep before anything (before headers)
     ttft_ms, token_delay_ms: number   override the global delays for this request
+    poll_ms: number         stream: how often those delays look for a client that went away
+                            (default 50; the benchmark's thousands of slow streams poll once a token)
     drop_after: int         stream: close the TCP connection after N SSE events (role chunk
                             counts); non-stream: close without any response
     malformed: bool         answer 200 with a body that is not JSON (with stream_malformed: true,

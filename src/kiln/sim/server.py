@@ -67,14 +67,14 @@ def _ms(value: Any, default: float) -> float:
     return default / 1000.0
 
 
-async def _sleep(request: web.Request, seconds: float) -> None:
-    """Sleep, but notice a client disconnect even without handler cancellation."""
+async def _sleep(request: web.Request, seconds: float, poll: float = _POLL_S) -> None:
+    """Sleep, but notice a client disconnect even without handler cancellation (every `poll` s)."""
     end = time.monotonic() + seconds
     while True:
         left = end - time.monotonic()
         if left <= 0:
             return
-        await asyncio.sleep(min(left, _POLL_S))
+        await asyncio.sleep(min(left, poll))
         transport = request.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("client went away")
@@ -280,15 +280,16 @@ class SimServer:
                 events += [wire.stream_error_event(msg), wire.DONE]
         ttft = prefill_s + _ms(sim.get("ttft_ms"), s.ttft_ms)
         gap = _ms(sim.get("token_delay_ms"), s.token_delay_ms)
+        poll = _ms(sim.get("poll_ms"), _POLL_S * 1000)  # thousands of slow streams: poll less often
         if ttft <= 0 and gap <= 0:
             await resp.write(b"".join(events))
         else:
             for i, event in enumerate(events):
                 if i == 0:
                     if ttft > 0:
-                        await _sleep(request, ttft)
+                        await _sleep(request, ttft, poll)
                 elif gap > 0 and delay_from <= i < delay_to:
-                    await _sleep(request, gap)
+                    await _sleep(request, gap, poll)
                 await resp.write(event)
         if drop is not None:
             _close(request)
