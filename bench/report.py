@@ -120,7 +120,7 @@ def rss_lines(r: RssResult, tolerance: float = 0.05) -> list[str]:
     step = max(1, len(r.samples) // 8)
     trace = ", ".join(f"{done:,}: {rss:.1f}" for done, rss in r.samples[::step] + r.samples[-1:])
     return [f"- RSS over {r.requests:,} requests (c={r.concurrency}, every protocol, JSON and streaming, "
-            f"{r.requests / r.seconds if r.seconds else 0:,.0f} rps): baseline {r.baseline:.1f} MiB after 10%, "
+            f"{r.requests / r.seconds if r.seconds else 0:,.0f} rps): baseline {r.baseline:.1f} MiB after {r.start:,} requests (10%, and 90 s of rate windows), "
             f"min {min(values):.1f}, max {max(values):.1f}, last {values[-1]:.1f}; largest deviation "
             f"{r.max_deviation:+.1%}: {'OK' if ok else 'MISS'} (flat within ±{tolerance:.0%})",
             f"  - samples (requests: MiB): {trace}"]

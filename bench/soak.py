@@ -118,23 +118,33 @@ class _Sampler:
         self._thread.join()
 
 
+# Admission's rate windows hold each request of the last minute (an exact sliding window), so
+# memory grows for the first minute at any rate, then stays: the baseline is taken after that.
+WARM_S = 90.0
+
+
 @dataclass
 class RssResult:
     samples: list[tuple[int, float]] = field(default_factory=list)  # (requests so far, RSS MiB)
     requests: int = 0
     seconds: float = 0.0
     concurrency: int = 0
+    warm_requests: int = 0  # requests done when the rate windows had been full for a while (WARM_S)
+
+    @property
+    def start(self) -> int:
+        """Where the baseline is taken: after 10% of the requests and after WARM_S seconds."""
+        return max(int(self.requests * 0.10), self.warm_requests)
 
     @property
     def baseline(self) -> float:
-        """RSS once the first 10% of the requests are done (caches and pools have filled)."""
-        target = self.requests * 0.10
-        return next((rss for done, rss in self.samples if done >= target), self.samples[-1][1])
+        """RSS once pools, caches and the one-minute rate windows have filled."""
+        return next((rss for done, rss in self.samples if done >= self.start), self.samples[-1][1])
 
     @property
     def max_deviation(self) -> float:
         """Largest relative distance from the baseline of any sample after it."""
-        base, target = self.baseline, self.requests * 0.10
+        base, target = self.baseline, self.start
         later = [rss for done, rss in self.samples if done >= target]
         return max(abs(rss - base) / base for rss in later) if later and base else 0.0
 
@@ -161,6 +171,8 @@ def rss_over_time(b: Bench, protocols: list[str], total: int, conc: int, slice_s
         b.kiln_sent += res.requests
         b.kiln_slack += conc
         out.samples.append((out.requests, kiln.rss_mb()))
+        if not out.warm_requests and time.monotonic() - start >= WARM_S:
+            out.warm_requests = out.requests
         if len(out.samples) % 10 == 0 or out.requests >= total:
             print(f"  RSS after {out.requests:,} requests: {out.samples[-1][1]:.1f} MiB", flush=True)
     out.seconds = time.monotonic() - start
