@@ -20,7 +20,7 @@ from kiln.app import create_app
 def app() -> Any:
     """The gateway's ASGI app (a factory: Granian calls it in its worker process)."""
     settings = config.load(os.environ["KILN_CONFIG"])
-    return create_app(settings, config.build_catalog(settings))
+    return create_app(settings, catalog=config.build_catalog(settings))
 
 
 def main() -> None:
