@@ -252,7 +252,8 @@ def cells_table(s: Scale, names: list[str]) -> list[str]:
     added = bool(s.direct)
     head = "| setup | database | admission | workers | CPUs | workload | c | rps | p50 ms | p99 ms |"
     head += " added p50 ms | added p99 ms |" if added else ""
-    lines = [head + " CPU µs/req |", "|---|---|---|--:|---|---|--:|--:|--:|--:|" + "--:|" * (3 if added else 1)]
+    lines = [head + " CPU µs/req | gateway CPU % |",
+             "|---|---|---|--:|---|---|--:|--:|--:|--:|" + "--:|" * (4 if added else 2)]
     for (name, workload, c), r in s.cells.items():
         if name not in names:
             continue
@@ -262,7 +263,7 @@ def cells_table(s: Scale, names: list[str]) -> list[str]:
         if added:
             d = s.direct[(workload, c)]
             row += f" {r.p50_ms - d.p50_ms:+.2f} | {r.p99_ms - d.p99_ms:+.2f} |"
-        lines.append(row + f" {r.cpu_us:,.0f} |")
+        lines.append(row + f" {r.cpu_us:,.0f} | {r.rps * r.cpu_us / 1e4:.0f} |")  # 100: one core busy
     lines += [f"- {name}: n/a: {why}" for name, why in s.refused.items() if name in names]
     return lines
 
@@ -278,9 +279,9 @@ def compare(s: Scale, over: str, base: str, target: float, what: str) -> list[st
             continue
         ratio = o.rps / b.rps if b.rps else 0.0
         by_cpu = SETUPS[over].workers / SETUPS[base].workers * b.cpu_us / o.cpu_us if o.cpu_us else 0.0
-        out.append(f"- {what}, chat {workload} c={c}: {ratio:.2f}× rps (target ≥ {target:g}×: "
-                   f"{'OK' if ratio >= target else 'MISS'}); CPU µs/req {o.cpu_us:,.0f} vs {b.cpu_us:,.0f}, "
-                   f"by CPU per request {by_cpu:.2f}×")
+        line = (f"- {what}, chat {workload} c={c}: {ratio:.2f}× rps (target ≥ {target:g}×: "
+                f"{'OK' if ratio >= target else 'MISS'}); CPU µs/req {o.cpu_us:,.0f} vs {b.cpu_us:,.0f}")
+        out.append(line + (f", by CPU per request {by_cpu:.2f}×" if c > 1 else ""))  # c=1 saturates nothing
     out += [f"- {what}: n/a ({name} did not run, see above)" for name in (over, base) if name in s.refused]
     return out
 
@@ -290,8 +291,8 @@ def pin_note(s: Scale) -> str:
     if gw is None:
         return "- no CPU pinning: every worker, the simulator and the load generator share all CPUs"
     return (f"- 1 worker: Kiln alone on CPU {gw}; 2 workers: Kiln on CPUs {gw} and {load}, so the second worker "
-            f"**shares CPU {load} with the simulator and the load generator** (2 CPUs on this machine): the "
-            "2-worker rps is what the gateway gets beside them, not a second core of its own")
+            f"**shares CPU {load} with the simulator and the load generator** ({len(os.sched_getaffinity(0))} CPUs "
+            "here): the 2-worker rps is what the gateway gets beside them, not a second core of its own")
 
 
 def chat_workloads(modes: list[str]) -> list[Workload]:
