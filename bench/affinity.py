@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
+import signal
 import statistics
 import sys
 import tempfile
@@ -36,9 +36,11 @@ from typing import Any
 
 import aiohttp
 
-from run import ADMIN_KEY, PY, BenchError, create_tenant, free_port, http, spawn, wait_until  # bench/run.py
+from load import run_aiohttp
+from measure import Bench, ledger_line
+from servers import BenchError, Server, create_tenant, http, start_kiln, start_sim
+from workloads import MODEL
 
-MODEL = "bench-model"
 REPLICAS = 4
 WORDS = ("file", "function", "error", "test", "build", "module", "import", "return", "value", "config",
          "request", "stream", "token", "cache", "backend", "router", "session", "client", "server", "patch")
@@ -61,6 +63,7 @@ class Arm:
     replica_cached_tokens: int = 0
     per_replica: list[int] = field(default_factory=list)  # requests each replica served
     seconds: float = 0.0
+    ledger: str = ""  # the usage ledger's check
 
     def ratio(self, first_turn: bool = True) -> float:
         turns = [t for t in self.turns if first_turn or t.turn > 0]
@@ -78,53 +81,16 @@ def text(rng: random.Random, tokens: int) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(tokens))
 
 
-def start_replicas(stack: ExitStack, tmp: Path, n: int, prefill_us: float, token_delay_ms: float) -> list[str]:
-    urls = []
-    for i in range(n):
-        log = tmp / f"sim{i}.log"
-        proc = spawn(stack, [PY, "-m", "kiln.sim", "--port", "0", "--model", MODEL, "--id", f"r{i}",
-                             "--prefill-us-per-token", str(prefill_us), "--token-delay-ms", str(token_delay_ms),
-                             "--reply-tokens", "40"], log)
-
-        def listening(log: Path = log) -> str | None:
-            lines = [ln for ln in log.read_text(errors="replace").splitlines() if "listening on" in ln]
-            return lines[0].rsplit(" ", 1)[-1] if lines else None
-
-        urls.append(wait_until(listening, proc, log, f"kiln sim r{i}"))
-    return urls
+def start_replicas(stack: ExitStack, tmp: Path, n: int, prefill_us: float, token_delay_ms: float) -> list[Server]:
+    """`kiln sim` replicas with prefix caching, a prefill cost per uncached token and 40-token replies."""
+    return [start_sim(stack, tmp, None, name=f"sim{i}", reply_tokens=40,
+                      extra=("--id", f"r{i}", "--prefill-us-per-token", str(prefill_us),
+                             "--token-delay-ms", str(token_delay_ms))) for i in range(n)]
 
 
-def start_gateway(stack: ExitStack, tmp: Path, urls: list[str], affinity: bool, balance: float) -> str:
-    backends = "".join(f'[[models.backends]]\nurl = "{u}/v1"\n' for u in urls)
-    config = tmp / "kiln.toml"
-    config.write_text(f"""
-[limits]
-rpm = 100000000
-concurrency = 100000
-
-[routing]
-affinity = {"true" if affinity else "false"}
-affinity_balance = {balance}
-
-[[models]]
-id = "{MODEL}"
-context_window = 131072
-max_output_tokens = 8192
-prices = {{ input = "0.10", cached_input = "0.01", output = "0.30" }}
-{backends}""")
-    port, log = free_port(), tmp / "gateway.log"
-    proc = spawn(stack, [PY, "-m", "kiln", "serve", "--config", str(config), "--port", str(port),
-                         "--data-dir", str(tmp / "data")], log, env={**os.environ, "KILN_ADMIN_KEY": ADMIN_KEY})
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        try:
-            return http("GET", url + "/health")[0] == 200
-        except OSError:
-            return False
-
-    wait_until(healthy, proc, log, "kiln serve")
-    return url
+def start_gateway(stack: ExitStack, tmp: Path, urls: list[str], affinity: bool, balance: float) -> Server:
+    routing = f"[routing]\naffinity = {'true' if affinity else 'false'}\naffinity_balance = {balance}\n"
+    return start_kiln(stack, tmp, urls, None, extra_toml=routing)
 
 
 async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],
@@ -218,14 +184,15 @@ def sim_stats(url: str) -> dict[str, Any]:
 
 
 def run_arm(args: argparse.Namespace, name: str, replicas: int, affinity: bool) -> Arm:
+    """One arm on fresh replicas (cold caches) behind a fresh gateway; checks what was billed."""
     arm = Arm(name)
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="kiln-affinity-") as tmp_name:
         tmp = Path(tmp_name)
-        urls = start_replicas(stack, tmp, replicas, args.prefill_us_per_token, args.token_delay_ms)
-        gw = start_gateway(stack, tmp, urls, affinity, args.affinity_balance)
-        _, key = create_tenant(gw)
-        asyncio.run(drive(gw, key, args, arm))
-        stats = [sim_stats(u) for u in urls]
+        sims = start_replicas(stack, tmp, replicas, args.prefill_us_per_token, args.token_delay_ms)
+        kiln = start_gateway(stack, tmp, [sim.url for sim in sims], affinity, args.affinity_balance)
+        org_id, key = create_tenant(kiln)
+        asyncio.run(drive(kiln.url, key, args, arm))
+        stats = [sim_stats(sim.url) for sim in sims]
         arm.replica_prompt_tokens = sum(s["prompt_tokens"] for s in stats)
         arm.replica_cached_tokens = sum(s["cached_tokens"] for s in stats)
         arm.per_replica = [s["total"] for s in stats]
@@ -233,6 +200,8 @@ def run_arm(args: argparse.Namespace, name: str, replicas: int, affinity: bool) 
             raise BenchError("the replicas counted other prompt tokens than the clients were billed")
         if len(arm.turns) != args.sessions * args.turns:
             raise BenchError(f"{len(arm.turns)} turns completed, expected {args.sessions * args.turns}")
+        b = Bench({"direct": sims[0], "kiln": kiln}, key, run_aiohttp, None, 0, 0, kiln_sent=len(arm.turns))
+        arm.ledger = ledger_line(b, org_id, f" ({name})")
     return arm
 
 
@@ -266,11 +235,14 @@ def main() -> None:
               f"| {statistics.median(ttfts):.0f} "
               f"| {p90:.0f} | {statistics.fmean(ttfts):.0f} | {' '.join(map(str, arm.per_replica))} "
               f"| {arm.seconds:.1f} |")
-
+    print("\n" + "\n".join(arm.ledger for arm in arms))
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # unwind like Ctrl-C: every process is stopped
     try:
         main()
     except BenchError as exc:
         sys.exit(f"benchmark failed: {exc}")
+    except KeyboardInterrupt:
+        sys.exit("interrupted; all started processes stopped")

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from load import Load, Result
 from servers import (LITELLM_KEY, BenchError, Server, first_upstream_body, forget_requests, http,
-                     set_sim_rules, settle)
+                     set_sim_rules, settle, usage_events)
 from workloads import Workload, check, make, sse_events, text_deltas
 
 TARGETS = ("direct", "bare", "kiln", "litellm")
@@ -126,6 +126,20 @@ def measure(b: Bench, target: str, load: Load, conc: int, what: str, seconds: fl
     if not server.alive():
         raise BenchError(f"{target} died during {what}:\n{server.log_tail()}")
     return res
+
+
+def ledger_line(b: Bench, org_id: str, what: str = "") -> str:
+    """The usage ledger must hold one event per request Kiln completed (plus at most the requests
+    cut off at the end of a cell, metered as cancelled); raises BenchError otherwise."""
+    deadline = time.monotonic() + 10  # cut-off requests are metered late
+    while (events := usage_events(b.servers["kiln"], org_id)) < b.kiln_sent and time.monotonic() < deadline:
+        time.sleep(0.2)
+    ok = b.kiln_sent <= events <= b.kiln_sent + b.kiln_slack
+    line = (f"- usage ledger{what}: {events:,} events for {b.kiln_sent:,} requests Kiln completed "
+            f"(+ up to {b.kiln_slack:,} cut off at run ends): {'OK' if ok else 'MISMATCH'}")
+    if not ok:
+        raise BenchError(line)
+    return line
 
 
 def table(b: Bench, workloads: list[Workload], levels: list[int], targets: list[str], repeat: int = 1

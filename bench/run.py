@@ -19,17 +19,20 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Callable
 
 import litellm_env
 import report
-from load import ensure_wrk, run_aiohttp, run_wrk
-from measure import TARGETS, Bench, first_token, long_streams, table
+from load import Result, ensure_wrk, run_aiohttp, run_wrk
+from measure import TARGETS, Bench, first_token, ledger_line, long_streams, table
 from servers import (START_NOFILE, BenchError, Server, cpus_for, create_tenant, raise_nofile, start_bare,
-                     start_kiln, start_litellm, start_sim, usage_events)
+                     start_kiln, start_litellm, start_sim)
+from scaleout import Scale, redis_section, workers_section
 from soak import rss_over_time, slow_streams
 from workloads import PROTOCOLS, table_workloads
 
-SECTIONS = ("table", "long", "slow", "rss")
+SECTIONS = ("table", "long", "slow", "rss", "workers", "redis")
+SCALE_SECTIONS = ("workers", "redis")  # gateways of their own (bench/scaleout.py), PostgreSQL and Redis
 MODES = ("json", "stream", "agent")
 
 
@@ -39,8 +42,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--duration", type=float, default=5.0, help="seconds per measured cell (default 5)")
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before each cell (default 1)")
     p.add_argument("--quick", action="store_true", help="2 s cells, 1 s warm-up, a 20,000-request RSS run")
-    p.add_argument("--repeat", type=int, default=1, help="table: runs per cell, the best kept (default 1; "
-                   "3 on a busy machine)")
+    p.add_argument("--repeat", type=int, default=1, help="table, workers, redis: runs per cell, the best kept "
+                   "(default 1; 3 on a busy machine)")
     p.add_argument("--concurrency", default="1,64", help="table: connection counts (default 1,64; add 8 if wanted)")
     p.add_argument("--protocols", default=",".join(PROTOCOLS), help="subset of " + ",".join(PROTOCOLS))
     p.add_argument("--modes", default=",".join(MODES), help="table rows: subset of " + ",".join(MODES))
@@ -111,15 +114,35 @@ def idle_cpu(servers: dict[str, Server], seconds: float = 2.0) -> str:
                      for n, s in gateways.items())
 
 
-def run(a: argparse.Namespace, stack: ExitStack, tmp: Path, load_fn: object, pins: tuple[int | None, int | None]
-        ) -> list[str]:
-    """Start everything, run the sections, return the report lines."""
+def run(a: argparse.Namespace, stack: ExitStack, tmp: Path, load_fn: Callable[..., Result],
+        pins: tuple[int | None, int | None]) -> list[str]:
+    """Start the simulator, run the sections, return the report lines."""
+    sim = start_sim(stack, tmp, pins[1])
+    out: list[str] = []
+    if set(a.sections) - set(SCALE_SECTIONS):
+        with ExitStack() as gateways:  # stopped before the scale-out sections start their own
+            out += main_sections(a, gateways, tmp, sim, load_fn, pins)
+    if set(a.sections) & set(SCALE_SECTIONS):
+        s = Scale(sim, load_fn, pins, a.duration, a.warmup, tmp, a.repeat)
+        modes = [m for m in a.modes if m in ("json", "stream")] or ["json", "stream"]
+        if "workers" in a.sections:
+            print("workers (1 vs 2):", flush=True)
+            out += workers_section(s, modes)
+        if "redis" in a.sections:
+            print("admission (in-process vs Redis):", flush=True)
+            out += redis_section(s, modes)
+        out += s.ledger
+    return out
+
+
+def main_sections(a: argparse.Namespace, stack: ExitStack, tmp: Path, sim: Server, load_fn: Callable[..., Result],
+                  pins: tuple[int | None, int | None]) -> list[str]:
+    """table, long, rss, slow: Kiln beside its peers, one worker each."""
     gw_cpu, load_cpu = pins
     nofile = (a.gateway_nofile, max(a.gateway_nofile, START_NOFILE[1])) if a.gateway_nofile else START_NOFILE
-    sim = start_sim(stack, tmp, load_cpu)
     servers, unavailable = start_targets(a, stack, tmp, sim, gw_cpu, nofile)
     org_id, key = create_tenant(servers["kiln"])
-    b = Bench(servers, key, load_fn, load_cpu, a.duration, a.warmup, unavailable)  # type: ignore[arg-type]
+    b = Bench(servers, key, load_fn, load_cpu, a.duration, a.warmup, unavailable)
     out = [f"- idle CPU of each gateway: {idle_cpu(servers)}"]
     if "table" in a.sections:
         print("side-by-side table:", flush=True)
@@ -147,20 +170,8 @@ def run(a: argparse.Namespace, stack: ExitStack, tmp: Path, load_fn: object, pin
         print(f"many slow streams ({a.slow_streams:,}):", flush=True)
         out += report.slow_lines(slow_streams(b, stack, tmp, a.slow_streams, a.slow_protocol, a.server, gw_cpu,
                                               nofile, a.slow_rate, a.slow_tokens))
-    out.append(_ledger_line(b, org_id))
+    out.append(ledger_line(b, org_id))
     return out
-
-
-def _ledger_line(b: Bench, org_id: str) -> str:
-    deadline = time.monotonic() + 10  # cut-off requests are metered late
-    while (events := usage_events(b.servers["kiln"], org_id)) < b.kiln_sent and time.monotonic() < deadline:
-        time.sleep(0.2)
-    ok = b.kiln_sent <= events <= b.kiln_sent + b.kiln_slack
-    line = (f"- usage ledger: {events:,} events for {b.kiln_sent:,} requests Kiln completed "
-            f"(+ up to {b.kiln_slack:,} cut off at run ends): {'OK' if ok else 'MISMATCH'}")
-    if not ok:
-        raise BenchError(line)
-    return line
 
 
 def main() -> int:
@@ -183,7 +194,7 @@ def main() -> int:
     lite = litellm_env.installed()
     print("\n" + "\n".join(lines))
     print(f"- load generator: {client}; {a.duration:g} s per cell after {a.warmup:g} s warm-up; simulator with zero "
-          f"delays; one gateway worker; server: {a.server}; LiteLLM "
+          f"delays; one gateway worker (but in `workers`); server: {a.server} (`workers`, `redis`: uvicorn); LiteLLM "
           + (f"{lite['version']} (proxy requirements skipped: {', '.join(lite['skipped']) or 'none'})"  # type: ignore[arg-type]
              if lite else "not installed"))
     print(f"- {pin_note}; 1-min load average before the run: {load_before:.2f} (other work skews the numbers); "

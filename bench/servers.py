@@ -114,8 +114,8 @@ class Server:
         return self.log.read_text(errors="replace")[-n:]
 
 
-def pinned(cmd: list[str], cpu: int | None) -> list[str]:
-    """Prefix `cmd` with `taskset -c CPU` when pinning."""
+def pinned(cmd: list[str], cpu: int | str | None) -> list[str]:
+    """Prefix `cmd` with `taskset -c CPU` when pinning (`cpu` may be a list: "0,1")."""
     return cmd if cpu is None else ["taskset", "-c", str(cpu), *cmd]
 
 
@@ -209,23 +209,27 @@ def _answers(url: str) -> bool:
         return False
 
 
-def start_sim(stack: ExitStack, tmp: Path, cpu: int | None) -> Server:
-    """`kiln sim` with zero delays and 20-token replies; its URL is the base, without /v1."""
-    log = tmp / "sim.log"
-    cmd = [PY, "-m", "kiln.sim", "--port", "0", "--model", MODEL, "--reply-tokens", "20",
-           "--max-model-len", str(SIM_MAX_MODEL_LEN)]
+def start_sim(stack: ExitStack, tmp: Path, cpu: int | None, *, name: str = "sim", reply_tokens: int = 20,
+              extra: tuple[str, ...] = ()) -> Server:
+    """`kiln sim` with zero delays and 20-token replies (`extra`: more of its flags); its URL is the
+    base, without /v1."""
+    log = tmp / f"{name}.log"
+    cmd = [PY, "-m", "kiln.sim", "--port", "0", "--model", MODEL, "--reply-tokens", str(reply_tokens),
+           "--max-model-len", str(SIM_MAX_MODEL_LEN), *extra]
     proc = spawn(stack, pinned(cmd, cpu), log)
 
     def listening() -> str | None:  # "kiln sim listening on http://127.0.0.1:PORT"
         lines = [ln for ln in log.read_text(errors="replace").splitlines() if "listening on" in ln]
         return lines[0].rsplit(" ", 1)[-1] if lines else None
 
-    return Server("sim", wait_until(listening, proc, log, "kiln sim"), proc, log)
+    return Server(name, wait_until(listening, proc, log, f"kiln sim ({name})"), proc, log)
 
 
-def kiln_config(tmp: Path, sim_url: str) -> Path:
-    """One model backed by the simulator, limits too high to trigger, room for 32k-token replies."""
-    config = tmp / "kiln.toml"
+def kiln_config(tmp: Path, backends: list[str], name: str = "kiln", extra: str = "") -> Path:
+    """One model backed by the simulator(s), limits too high to trigger, room for 32k-token replies;
+    `extra`: more TOML tables (e.g. `[routing]`)."""
+    config = tmp / f"{name}.toml"
+    urls = "".join(f'[[models.backends]]\nurl = "{url}/v1"\n' for url in backends)
     config.write_text(f"""
 [limits]
 rpm = 1000000000
@@ -236,26 +240,43 @@ id = "{MODEL}"
 context_window = {SIM_MAX_MODEL_LEN}
 max_output_tokens = 65536
 prices = {{ input = "0.10", output = "0.30" }}
-[[models.backends]]
-url = "{sim_url}/v1"
-""")
+{urls}
+{extra}""")
     return config
 
 
-def start_kiln(stack: ExitStack, tmp: Path, sim_url: str, cpu: int | None, server: str,
-               nofile: tuple[int, int]) -> Server:
-    """`kiln serve` (uvicorn), or the same app on Granian (bench/kiln_granian.py)."""
-    config, port, log = kiln_config(tmp, sim_url), free_port(), tmp / "kiln.log"
+def start_kiln(stack: ExitStack, tmp: Path, backends: str | list[str], cpu: int | str | None,
+               server: str = "uvicorn", nofile: tuple[int, int] = START_NOFILE, *, name: str = "kiln",
+               workers: int = 1, env: dict[str, str] | None = None, extra_toml: str = "") -> Server:
+    """`kiln serve` (uvicorn; `workers` > 1: `--workers N`), or the same app on Granian
+    (bench/kiln_granian.py). `backends`: the simulator's URL, or several; `env`: more KILN_* settings."""
+    urls = [backends] if isinstance(backends, str) else backends
+    config, port, log = kiln_config(tmp, urls, name, extra_toml), free_port(), tmp / f"{name}.log"
     env = {**os.environ, "KILN_ADMIN_KEY": ADMIN_KEY, "KILN_CONFIG": str(config), "KILN_PORT": str(port),
-           "KILN_DATA_DIR": str(tmp / "data")}
+           "KILN_DATA_DIR": str(tmp / f"{name}-data"), **(env or {})}
     if server == "granian":
+        if workers > 1:
+            raise BenchError("several Kiln workers are started by `kiln serve --workers N` (uvicorn) only")
         cmd = [PY, str(HERE / "kiln_granian.py")]
     else:
         cmd = [PY, "-m", "kiln", "serve", "--config", str(config), "--port", str(port)]
+        cmd += ["--workers", str(workers)] if workers > 1 else []
     proc = spawn(stack, pinned(cmd, cpu), log, env=env, nofile=nofile)
     url = f"http://127.0.0.1:{port}"
-    wait_until(lambda: _answers(url + "/health"), proc, log, f"kiln ({server})")
-    return Server("kiln", url, proc, log)
+    what = f"kiln ({server}" + (f", {workers} workers)" if workers > 1 else ")")
+    # several workers: each binds the port itself; wait until all of them listen
+    wait_until(lambda: (workers == 1 or listeners(port) >= workers) and _answers(url + "/health"), proc, log, what)
+    return Server(name, url, proc, log)
+
+
+def listeners(port: int) -> int:
+    """Sockets listening on 127.0.0.1:`port` (one per worker: each binds it with SO_REUSEPORT)."""
+    local = f"0100007F:{port:04X}"
+    try:
+        rows = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return 1  # no /proc/net: trust /health alone
+    return sum(1 for row in rows if (f := row.split())[1] == local and f[3] == "0A")
 
 
 def start_bare(stack: ExitStack, tmp: Path, sim_url: str, cpu: int | None, server: str,

@@ -63,3 +63,41 @@ def test_agent_bodies_are_about_60_kb(build: Callable[[str, str], dict[str, Any]
     body = build("m", "[tag]")
     assert 55_000 <= len(json.dumps(body)) <= 66_000
     assert body["stream"] is True and body["tools"]
+
+
+def skip_unless_reachable(*services: str) -> None:
+    """Skip when the machine's PostgreSQL or Redis does not answer (the sections need them)."""
+    import scaleout
+
+    probes = {"postgresql": scaleout.pg_problem, "redis": scaleout.redis_problem}
+    for service in services:
+        if problem := probes[service]():
+            pytest.skip(problem)
+
+
+def test_workers_section_one_worker_against_two() -> None:
+    skip_unless_reachable("postgresql", "redis")
+    out = bench("--sections", "workers", "--modes", "json")
+    assert "| memory | SQLite | in-process | 1 |" in out
+    assert "| redis+pg | PostgreSQL | Redis | 1 |" in out and "| redis+pg x2 | PostgreSQL | Redis | 2 |" in out
+    assert "memory x2: n/a: Kiln refuses to start: server.workers = 2 needs" in out  # SQLite is one process's
+    assert "PostgreSQL + Redis, 2 workers / 1 worker, chat json c=64:" in out
+    assert "usage ledger (redis+pg x2):" in out and "MISMATCH" not in out
+
+
+def test_redis_section_in_process_against_redis_admission() -> None:
+    skip_unless_reachable("redis")
+    out = bench("--sections", "redis", "--modes", "stream")
+    assert "| memory | SQLite | in-process | 1 | " in out and "| redis | SQLite | Redis | 1 | " in out
+    assert "Redis / in-process admission, chat stream c=64:" in out
+    assert "usage ledger (redis):" in out and "MISMATCH" not in out
+
+
+def test_affinity_benchmark_runs() -> None:
+    out = subprocess.run([sys.executable, str(BENCH / "affinity.py"), "--sessions", "2", "--turns", "2",
+                          "--shared-tokens", "200", "--context-tokens", "100", "--turn-tokens", "50"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for arm in ("affinity on", "affinity off (least in flight)", "one replica (ceiling)"):
+        assert f"| {arm} | " in out.stdout
+    assert out.stdout.count(": OK") == 3
