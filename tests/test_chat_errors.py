@@ -414,6 +414,7 @@ def test_chunked_body_over_8_mib_is_413(tenant: Tenant) -> None:
     except httpx.TransportError as exc:
         pytest.fail(f"the client got no 413 response: {exc!r}")
     assert_openai_error(resp, 413)
+    assert resp.headers["connection"] == "close"
     assert tenant.usage() == []
 
 
@@ -436,6 +437,7 @@ def test_large_content_length_is_refused_without_reading_the_body(tenant: Tenant
     status_line = reply.split(b"\r\n", 1)[0]
     assert status_line.startswith(b"HTTP/1.1 413"), reply[:200]
     assert b"x-neocloud-generation-id" not in reply.lower()
+    assert b"connection: close" in reply.lower()  # the unread body is not the next request
 
 
 def test_body_under_the_limit_is_accepted(tenant: Tenant, sim: Sim) -> None:

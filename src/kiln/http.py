@@ -20,10 +20,13 @@ Write = Callable[[bytes], Awaitable[None]]
 
 async def read_body(request: Request, limit: int, timeout_s: float | None = None) -> bytes:
     """The request body, or 413 before reading past `limit` bytes, or 408 if it takes
-    longer than `timeout_s` to arrive (a slow-body attack holds no connection for long)."""
+    longer than `timeout_s` to arrive (a slow-body attack holds no connection for long).
+
+    Both refusals close the connection: the unread rest of the body would otherwise be
+    read as the next request's head."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise errors.too_large(f"Request body is larger than {limit} bytes.")
+        raise _closing(errors.too_large(f"Request body is larger than {limit} bytes."))
     chunks: list[bytes] = []
     size = 0
     try:
@@ -31,14 +34,19 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
-                    raise errors.too_large(f"Request body is larger than {limit} bytes.")
+                    raise _closing(errors.too_large(f"Request body is larger than {limit} bytes."))
                 chunks.append(chunk)
     except TimeoutError:
-        raise GatewayError(408, f"The request body did not arrive within {timeout_s:g} s.",
-                           code="request_timeout") from None
+        raise _closing(GatewayError(408, f"The request body did not arrive within {timeout_s:g} s.",
+                                    code="request_timeout")) from None
     except ClientDisconnect:
         raise errors.invalid("The client disconnected before the whole body arrived.") from None
     return b"".join(chunks)
+
+
+def _closing(err: GatewayError) -> GatewayError:
+    err.headers["Connection"] = "close"
+    return err
 
 
 async def wait_disconnect(receive: Receive) -> None:
