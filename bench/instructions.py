@@ -1,0 +1,144 @@
+"""Instructions per request, counted by valgrind: a figure that does not move with the machine's load.
+
+On a shared machine the CPU time of a request moves by a third from run to run; the number of
+instructions the gateway executes for it does not. This starts the simulator (natively) and the
+gateway under `valgrind --tool=callgrind` (about 50 times slower), warms up, zeroes the counters,
+sends --requests requests of one workload at --concurrency, dumps the counters and prints
+instructions per request: for Kiln and for the bare proxy, and their ratio. Use it to judge a
+change to the hot path (before/after on the same workload); bench/run.py stays the measure of
+throughput and latency.
+
+    .venv/bin/python bench/instructions.py --protocol chat --workload json
+    .venv/bin/python bench/instructions.py --protocol messages --workload stream --targets kiln
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import aiohttp
+
+from servers import (ADMIN_KEY, PY, HERE, BenchError, Server, _answers, create_tenant, free_port, kiln_config,
+                     spawn, start_sim, wait_until)
+from workloads import PROTOCOLS, make
+
+VALGRIND = ["valgrind", "--tool=callgrind", "--collect-atstart=yes", "--dump-instr=no", "--combine-dumps=yes"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    p.add_argument("--protocol", choices=PROTOCOLS, default="chat")
+    p.add_argument("--workload", choices=("json", "stream"), default="json")
+    p.add_argument("--requests", type=int, default=400, help="counted requests per target (default 400)")
+    p.add_argument("--warmup", type=int, default=100, help="requests before the counters are zeroed")
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--targets", default="bare,kiln", help="bare,kiln (default) or one of them")
+    p.add_argument("--keep", action="store_true", help="keep the temp dir (callgrind dumps for callgrind_annotate)")
+    return p.parse_args()
+
+
+def under_valgrind(stack: ExitStack, tmp: Path, name: str, cmd: list[str], env: dict[str, str]) -> tuple[Server, Path]:
+    out = tmp / f"{name}.callgrind"
+    proc = spawn(stack, [*VALGRIND, f"--callgrind-out-file={out}", *cmd], tmp / f"{name}.log", env=env)
+    return Server(name, "", proc, tmp / f"{name}.log"), out
+
+
+def start(stack: ExitStack, tmp: Path, target: str, sim_url: str) -> tuple[Server, Path]:
+    import os
+
+    port = free_port()
+    if target == "bare":
+        cmd = [PY, str(HERE / "bare_proxy.py"), "--upstream", sim_url, "--port", str(port)]
+        env = dict(os.environ)
+    else:
+        config = kiln_config(tmp, [sim_url])
+        cmd = [PY, "-m", "kiln", "serve", "--config", str(config), "--port", str(port)]
+        env = {**os.environ, "KILN_ADMIN_KEY": ADMIN_KEY, "KILN_CONFIG": str(config), "KILN_PORT": str(port),
+               "KILN_DATA_DIR": str(tmp / "kiln-data")}
+    server, out = under_valgrind(stack, tmp, target, cmd, env)
+    server.url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _answers(server.url + "/health"), server.proc, server.log, f"{target} under valgrind", 600)
+    return server, out
+
+
+async def drive(url: str, body: dict, headers: dict[str, str], n: int, concurrency: int) -> None:
+    left = n
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            async with session.post(url, json=body, headers=headers) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    raise BenchError(f"HTTP {resp.status} from {url}")
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+
+
+def total_ir(path: Path) -> int:
+    """The instruction total of a callgrind dump (its `totals:` or `summary:` line)."""
+    text = path.read_text(errors="replace")
+    found = re.findall(r"^(?:totals|summary):\s+(\d+)", text, re.M)
+    if not found:
+        raise BenchError(f"no totals in {path}")
+    return int(found[-1])
+
+
+def measure(stack: ExitStack, tmp: Path, target: str, sim: Server, a: argparse.Namespace) -> float:
+    server, out = start(stack, tmp, target, sim.url)
+    w = make(a.protocol, a.workload, a.workload == "stream")
+    headers = {}
+    if target == "kiln":
+        _, key = create_tenant(server)
+        headers = {"Authorization": f"Bearer {key}", "x-api-key": key}
+    url = server.url + w.path
+    asyncio.run(drive(url, w.body, headers, a.warmup, a.concurrency))
+    pid = str(server.proc.pid)
+    subprocess.run(["callgrind_control", "--zero", pid], check=True, capture_output=True)
+    asyncio.run(drive(url, w.body, headers, a.requests, a.concurrency))
+    time.sleep(1.0)  # what the last requests left (ledger commit) settles
+    for old in tmp.glob(f"{out.name}*"):
+        old.unlink()
+    subprocess.run(["callgrind_control", "--dump", pid], check=True, capture_output=True)
+    dumps = sorted(tmp.glob(f"{out.name}*"), key=lambda p: p.stat().st_mtime)
+    if not dumps:
+        raise BenchError(f"callgrind wrote no dump for {target}")
+    return total_ir(dumps[-1]) / a.requests
+
+
+def main() -> int:
+    a = parse_args()
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        print("valgrind (with callgrind_control) is not installed", file=sys.stderr)
+        return 2
+    targets = [t for t in a.targets.split(",") if t]
+    results: dict[str, float] = {}
+    with ExitStack() as stack:
+        tmp = Path(tempfile.mkdtemp(prefix="kiln-instructions-"))
+        if a.keep:
+            print(f"callgrind dumps and logs in {tmp}")
+        else:
+            stack.callback(shutil.rmtree, tmp, True)
+        sim = start_sim(stack, tmp, None)
+        for target in targets:
+            results[target] = measure(stack, tmp, target, sim, a)
+            print(f"{a.protocol}/{a.workload} {target}: {results[target] / 1e6:.2f} M instructions per request",
+                  flush=True)
+    if "bare" in results and "kiln" in results:
+        print(f"Kiln / bare proxy: {results['kiln'] / results['bare']:.2f}x the instructions per request")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
