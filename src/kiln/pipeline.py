@@ -45,7 +45,7 @@ from kiln.core.keys import bearer_token
 from kiln.core.ledger import Ledger, new_generation_id
 from kiln.core.maintenance import Maintenance
 from kiln.core.records import ApiKey, Usage, UsageEvent
-from kiln.http import StreamResponse, Write, read_body, wait_disconnect
+from kiln.http import DisconnectGuard, StreamResponse, Write, read_body
 from kiln.protocols.base import Context, Translator, UpstreamCall
 from kiln.health import Outcome
 from kiln.router import Lease, Router, outcome_of
@@ -213,23 +213,24 @@ class Gateway:
 
     async def _complete(self, run: _Run, request: Request) -> Response:
         """Non-streaming: one upstream JSON body, cancelled if the client leaves."""
-        work = asyncio.ensure_future(self._fetch(run))
-        watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+        guard = DisconnectGuard(request.receive)
         try:
-            done, _ = await asyncio.wait((work, watcher), timeout=max(run.deadline - time.monotonic(), 0),
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if work not in done:
-            work.cancel()
-            await asyncio.gather(work, return_exceptions=True)
-            if not done:
-                raise errors.timeout("The request took longer than the gateway's time limit.")
+            try:
+                async with asyncio.timeout(max(run.deadline - time.monotonic(), 0)):
+                    raw = await self._fetch(run)
+            finally:
+                guard.stop()
+        except asyncio.CancelledError:
+            if not guard.fired:  # a shutdown, not the client
+                raise
+            guard.absorb()
             run.outcome = Outcome.CANCELLED
             await self._meter(run, status="cancelled", cancelled=True)
             self._observe(run, 499, "cancelled")
             return Response(b"", status_code=499)
-        run.usage = run.tr.response(work.result())
+        except TimeoutError:
+            raise errors.timeout("The request took longer than the gateway's time limit.") from None
+        run.usage = run.tr.response(raw)
         event, usage = await self._meter(run)
         headers = {GENERATION_HEADER: run.generation_id}
         if run.ticket.capped:
