@@ -234,3 +234,34 @@ def test_responses_json_from_recorded_length_is_incomplete() -> None:
     body = json.loads(tr.render(usage, 10))
     assert body["status"] == "incomplete" and body["incomplete_details"] == {"reason": "max_output_tokens"}
     assert body["usage"]["cost"] == 0.00000001
+
+
+@pytest.mark.parametrize("name", ["chat-text", "chat-tools", "chat-length"])
+def test_sse_parser_gives_the_same_payloads_however_the_bytes_arrive(name: str) -> None:
+    """Whole events per read take a fast path; splits, CRLF, comments and several `data:`
+    lines take the general one: every way of feeding a recording yields the same payloads."""
+    import random
+
+    raw = (RECORDINGS / f"{name}.sse").read_bytes()
+    whole = payloads(name)
+    events = [e + b"\n\n" for e in raw.split(b"\n\n") if e]
+    assert [p for e in events for p in SSEParser(1 << 20).feed(e)] == whole  # one event per read
+    rng = random.Random(7)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(raw)), 8))
+        parser = SSEParser(1 << 20)
+        got = [p for a, b in zip([0, *cuts], [*cuts, len(raw)]) for p in parser.feed(raw[a:b])]
+        assert got == whole
+    crlf = SSEParser(1 << 20)
+    assert [p for e in events for p in crlf.feed(e.replace(b"\n", b"\r\n"))] == whole
+    mixed = SSEParser(1 << 20).feed(b": keepalive\n\n" + events[0] + b"event: x\ndata: {}\n\n")
+    assert mixed == [whole[0], b"{}"]
+
+
+def test_sse_parser_refuses_an_event_over_the_limit_on_either_path() -> None:
+    event = b"data: " + b"x" * 100 + b"\n\n"
+    for piece in (event, event[:50]):  # whole (fast path) or split (general path)
+        parser = SSEParser(64)
+        with pytest.raises(GatewayError):
+            parser.feed(piece)
+            parser.feed(event[50:])

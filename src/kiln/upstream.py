@@ -215,6 +215,18 @@ class SSEParser:
         self._buf = bytearray()
 
     def feed(self, piece: bytes) -> list[bytes]:
+        if not self._buf and piece[-2:] == b"\n\n" and b"\r" not in piece:
+            # The common read: whole events of one `data:` line each (a backend flushes each
+            # event as it is made). Split them without copying through the buffer.
+            out = []
+            for event in piece[:-2].split(b"\n\n"):
+                if event[:5] != b"data:" or b"\n" in event or len(event) > self.max_event_bytes:
+                    return self._feed(piece)  # comments, several lines, oversized: the general path
+                out.append(event[5:].lstrip(b" "))
+            return out
+        return self._feed(piece)
+
+    def _feed(self, piece: bytes) -> list[bytes]:
         buf = self._buf
         scan = max(len(buf) - 3, 0)  # an event end may straddle the old bytes and the new
         buf += piece
