@@ -91,6 +91,8 @@ def test_admin_bodies_are_bounded(gateway: Gateway) -> None:
     r = gateway.admin.post("/orgs", json={"name": "x" * (1 << 20)})
     assert r.status_code == 413, r.text
     assert r.json()["error"]["code"] == "request_too_large"
+    # The unread rest of the body must not be read as the next request on this connection.
+    assert r.headers.get("connection") == "close"
 
     def endless() -> object:  # 64 MiB, chunked: refused without reading it all
         for _ in range(1024):

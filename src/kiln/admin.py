@@ -281,8 +281,9 @@ def endpoint(handler: Handler, status: int = 200) -> Callable[[Request], Awaitab
                 result = await handler(gw, body, params)
             return result if isinstance(result, Response) else _json(result, status)
         except GatewayError as err:
-            reply = openai_error(err)
-            return Response(reply.body, status_code=reply.status, media_type=reply.media_type)
+            reply = openai_error(err)  # with the error's headers (a 413's Connection: close)
+            return Response(reply.body, status_code=reply.status, media_type=reply.media_type,
+                            headers=reply.headers)
 
     return run
 
