@@ -229,7 +229,8 @@ def kiln_config(tmp: Path, backends: list[str], name: str = "kiln", extra: str =
     """One model backed by the simulator(s), limits too high to trigger, room for 32k-token replies;
     `extra`: more TOML tables (e.g. `[routing]`)."""
     config = tmp / f"{name}.toml"
-    urls = "".join(f'[[models.backends]]\nurl = "{url}/v1"\n' for url in backends)
+    # No per-backend cap on requests in flight (1,024 by default): the slow section holds thousands.
+    urls = "".join(f'[[models.backends]]\nurl = "{url}/v1"\nmax_in_flight = 1000000\n' for url in backends)
     config.write_text(f"""
 [limits]
 rpm = 1000000000
