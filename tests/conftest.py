@@ -82,6 +82,25 @@ def wait_for(check: Callable[[], Any], timeout: float = 5.0, what: str = "condit
         time.sleep(0.05)
 
 
+PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"  # the machine's PostgreSQL (.ci/services starts it)
+
+
+def drop_pg_schema(schema: str, dsn: str = PG_DSN) -> None:
+    """Drop a test's PostgreSQL schema and everything in it (a no-op if it is not there)."""
+    import asyncio
+
+    import asyncpg
+
+    async def drop() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        finally:
+            await conn.close()
+
+    asyncio.run(drop())
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

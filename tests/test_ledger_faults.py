@@ -19,18 +19,15 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-import asyncpg
 import httpx
 import pytest
 
-from conftest import Sim, catalog_toml, start_gateway, stop, wait_for
+from conftest import PG_DSN as DSN, Sim, catalog_toml, drop_pg_schema, start_gateway, stop, wait_for
 from kiln.core.accounts import Accounts
 from kiln.core.ledger import Ledger
 from kiln.core.records import UsageEvent
 from kiln.store.postgres import PostgresStore
 from kiln.store.sqlite import SQLiteStore
-
-DSN = "postgresql://postgres@127.0.0.1:5432/test"
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -41,14 +38,7 @@ def store_factory(request: Any, tmp_path: Path) -> Iterator[Any]:
     schema = f"kiln_ledger_{secrets.token_hex(4)}"
     yield lambda: PostgresStore(DSN, schema)
 
-    async def drop() -> None:
-        conn = await asyncpg.connect(DSN)
-        try:
-            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-        finally:
-            await conn.close()
-
-    asyncio.run(drop())
+    drop_pg_schema(schema)
 
 
 def _events(org_id: str, project_id: str, key_id: str, n: int) -> list[UsageEvent]:

@@ -19,12 +19,12 @@ from typing import Iterator
 import asyncpg
 import pytest
 
+from conftest import PG_DSN as DSN, drop_pg_schema
 from kiln.store.base import OutdatedSchema
 from kiln.store.postgres import PostgresStore
 from kiln.store.schema import LEGACY_ORDER, migrations
 from kiln.store.sqlite import SQLiteStore
 
-DSN = "postgresql://postgres@127.0.0.1:5432/test"
 NAMES = [m.name for m in migrations("sqlite")]
 
 
@@ -68,15 +68,7 @@ def legacy_schema() -> Iterator[str]:
 
     asyncio.run(make())
     yield schema
-
-    async def drop() -> None:
-        conn = await asyncpg.connect(DSN)
-        try:
-            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-        finally:
-            await conn.close()
-
-    asyncio.run(drop())
+    drop_pg_schema(schema)
 
 
 def test_postgres_schema_behind_refuses_to_start_until_kiln_migrate(legacy_schema: str, tmp_path: Path) -> None:

@@ -13,27 +13,17 @@ from typing import Any, Iterator
 import asyncpg
 import pytest
 
-from conftest import Gateway, Sim, catalog_toml, start_gateway, stop, wait_for
+from conftest import PG_DSN as DSN, Gateway, Sim, catalog_toml, drop_pg_schema, start_gateway, stop, wait_for
 from kiln.store.postgres import PostgresStore
 from kiln.store.schema import migrations
 from test_usage import check_summary_across_days
-
-DSN = "postgresql://postgres@127.0.0.1:5432/test"
 
 
 @pytest.fixture
 def pg_schema() -> Iterator[str]:
     schema = f"kiln_test_{secrets.token_hex(4)}"
     yield schema
-
-    async def drop() -> None:
-        conn = await asyncpg.connect(DSN)
-        try:
-            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-        finally:
-            await conn.close()
-
-    asyncio.run(drop())
+    drop_pg_schema(schema)
 
 
 def _pg_gateway(sim: Sim, schema: str) -> Gateway:

@@ -26,11 +26,11 @@ import asyncpg
 import httpx
 import pytest
 
-from conftest import Gateway, Sim, catalog_toml, kill_hard, start_gateway, start_sim, stop, wait_for
+from conftest import (PG_DSN as DSN, Gateway, Sim, catalog_toml, drop_pg_schema, kill_hard, start_gateway, start_sim,
+                      stop, wait_for)
 from services import PostgresServer, RedisServer
 
 SOAK = os.environ.get("KILN_SOAK") == "1"
-DSN = "postgresql://postgres@127.0.0.1:5432/test"
 OUT_PRICE = Decimal("0.30") / 1_000_000  # qwen3-32b output, USD per token
 NANO = Decimal(10) ** 9
 MSG = [{"role": "user", "content": "Write a long story."}]
@@ -103,17 +103,6 @@ def make_cluster(sim: Sim, redis: RedisServer, dsn: str, schema: str, extra_serv
     return cluster
 
 
-def drop_schema(dsn: str, schema: str) -> None:
-    async def drop() -> None:
-        conn = await asyncpg.connect(dsn)
-        try:
-            await conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
-        finally:
-            await conn.close()
-
-    asyncio.run(drop())
-
-
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     sim = start_sim("--model", "Qwen/Qwen3-32B", "--model", "gpt-oss-120b")
@@ -126,7 +115,7 @@ def cluster() -> Iterator[Cluster]:
         stop(g.proc)
     redis.stop()
     stop(sim.proc)
-    drop_schema(DSN, schema)
+    drop_pg_schema(schema)
 
 
 def clients(cluster: Cluster, key: str, **kw: Any) -> list[httpx.AsyncClient]:
