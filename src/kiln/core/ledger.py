@@ -48,8 +48,12 @@ OnCommit = Callable[[list[UsageEvent], CreditBalances], Awaitable[None]]
 
 
 def new_generation_id() -> str:
-    """96 random bits: unique, not a secret (no syscall per request)."""
-    return f"gen-{random.getrandbits(96):024x}"
+    """The time in milliseconds (44 bits) and 52 random bits: unique, not a secret, no syscall.
+
+    Time first, so ids of consecutive requests sort together: the ledger's primary-key index
+    grows at its end instead of at random pages (a commit writes fewer pages, and the database's
+    page cache holds the pages that are written to)."""
+    return f"gen-{int(time.time() * 1000) & 0xFFFFFFFFFFF:011x}{random.getrandbits(52):013x}"
 
 
 class Ledger:
