@@ -27,7 +27,7 @@ from kiln.core.accounts import Accounts
 from kiln.core.ledger import Ledger
 from kiln.core.records import UsageEvent
 from kiln.store.postgres import PostgresStore
-from kiln.store.sqlite import SQLiteStore
+from kiln.store.sqlite import SQLiteStore, _tx as sqlite3_tx
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -75,6 +75,39 @@ def test_a_bad_event_is_set_aside_and_the_rest_commit(store_factory: Any, tmp_pa
             assert totals["events"] == 42 and totals["cost_nano"] == 42 * 1000
         finally:
             await ledger.stop()
+            await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_commit_on_the_event_loop_never_shares_the_connection(tmp_path: Path) -> None:
+    """Small batches commit on the event loop while the store's thread is idle; while the thread
+    runs a call (here one that takes 0.3 s), they go to the thread and wait their turn, instead of
+    starting a transaction on the connection the thread is using."""
+    async def run() -> None:
+        store = SQLiteStore(tmp_path / "kiln.db")
+        await store.open()
+        accounts = Accounts(store)
+        org = await accounts.create_org("o")
+        await accounts.add_credits(org.id, 1_000_000_000)
+        key, _ = await accounts.create_key((await accounts.create_project(org.id, "p")).id)
+        try:
+            def slow(db: Any) -> int:
+                with sqlite3_tx(db):
+                    time.sleep(0.3)
+                    return db.execute("SELECT count(*) FROM usage_events").fetchone()[0]
+
+            events = _events(org.id, key.project_id, key.id, 2)
+            slow_call = asyncio.ensure_future(store._run(slow))
+            await asyncio.sleep(0.05)  # the slow call is in the thread
+            started = time.monotonic()
+            await store.record_usage(events[:1])
+            assert time.monotonic() - started > 0.2, "the commit waited for the thread"
+            assert await slow_call == 0
+            await store.record_usage(events[1:])  # the thread is idle again: on the loop
+            totals = await store.usage_totals(org.id)
+            assert totals["events"] == 2 and totals["cost_nano"] == 2000
+        finally:
             await store.close()
 
     asyncio.run(run())
