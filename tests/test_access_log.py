@@ -1,11 +1,12 @@
 """The access log (kiln/access_log.py): one line per request, JSON or key=value text, by level.
 
-The pipeline does not call `log_request` yet; these tests call it with real records and read
-what it writes to a stream.
+These tests call `log_request` with real records and read what it writes to a stream; the
+gateway's own lines are checked in test_observability.py.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import re
@@ -99,3 +100,31 @@ def test_terminal_gets_text(stream: io.StringIO) -> None:
     access_log.configure(LogSettings(format="auto"), tty)
     access_log.log_request(status=200, endpoint="completions", duration_ms=3, event=EVENT)
     assert tty.getvalue().startswith("time=")
+
+
+class CountingStream(io.StringIO):
+    writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+def test_the_lines_of_one_turn_of_the_event_loop_go_out_in_one_write() -> None:
+    stream = CountingStream()
+    access_log.configure(LogSettings(format="json"), stream)
+
+    async def serve() -> None:
+        for status in (200,) * 49 + (503,):
+            access_log.log_request(status=status, endpoint="chat.completions", duration_ms=1.0, event=EVENT)
+        assert stream.writes == 0
+        await asyncio.sleep(0)  # the end of this turn of the loop
+        assert stream.writes == 1
+
+    try:
+        asyncio.run(serve())
+        assert [json.loads(line)["status"] for line in lines(stream)] == [200] * 49 + [503]
+        access_log.log_request(status=200, endpoint="chat.completions", duration_ms=1.0, key=KEY)
+        assert stream.writes == 2 and len(lines(stream)) == 51, "without a loop a line goes out at once"
+    finally:
+        access_log.configure(LogSettings(), io.StringIO())

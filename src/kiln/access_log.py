@@ -11,6 +11,8 @@ keeps only the gateway's and the backends' failures and "error" turns the log of
 
 from __future__ import annotations
 
+import asyncio
+import atexit
 import logging
 import re
 import sys
@@ -26,26 +28,20 @@ from kiln.config import LogSettings
 from kiln.core.money import nano_to_usd_str
 from kiln.core.records import ApiKey, UsageEvent
 
-log = logging.getLogger("kiln.access")
 _json = True
-
-
-class _Line(logging.Formatter):
-    """The message is the finished line."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        return record.getMessage()
+_out: IO[str] = sys.stderr
+_min_level = logging.INFO
+_pending: list[str] = []  # lines of this turn of the event loop, written together at its end
+_flush_scheduled = False
 
 
 def configure(settings: LogSettings, stream: IO[str] | None = None) -> None:
     """Send access lines to `stream` (stderr) in the configured format, at the configured level."""
-    global _json
+    global _json, _out, _min_level
+    flush()
     stream = stream or sys.stderr
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(_Line())
-    log.handlers = [handler]
-    log.propagate = False  # one line once, not again through the root logger
-    log.setLevel(settings.level.upper())
+    _out = stream
+    _min_level = logging.getLevelName(settings.level.upper())
     _json = settings.format == "json" or (settings.format == "auto" and not _isatty(stream))
 
 
@@ -69,8 +65,7 @@ def log_request(
 ) -> None:
     """One line for one request: a metered one from its usage `event`; a refused one (no event)
     from its `key` if it got that far. `error` is the metrics' error type, if it failed."""
-    level = logging.WARNING if status >= 500 else logging.INFO
-    if not log.isEnabledFor(level):
+    if (logging.WARNING if status >= 500 else logging.INFO) < _min_level:
         return
     owner: Any = event or key
     fields: dict[str, Any] = {
@@ -93,10 +88,41 @@ def log_request(
         "backend": safe_url(backend or (event.backend if event else None)),
         "cancelled": event.cancelled if event else False,
     }
-    line = _render_json(fields) if _json else _render_text(fields)
-    # A record made here rather than by log.log(): that one walks the stack for the caller's
-    # file and line (a third of its cost), which an access line does not need.
-    log.handle(logging.LogRecord(log.name, level, __file__, 0, line, None, None))
+    _write(_render_json(fields) if _json else _render_text(fields))
+
+
+def _write(line: str) -> None:
+    """Queue a line; the lines of one turn of the event loop go out in one write at its end.
+
+    Not through `logging`: a LogRecord, the handler's lock and a flush per line were half of an
+    access line's cost, and a write per request a system call each under load. A line still
+    leaves within the turn of the loop that finished its request."""
+    global _flush_scheduled
+    _pending.append(line)
+    if _flush_scheduled:
+        return
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # no event loop (a command-line tool, a test): at once
+        flush()
+        return
+    _flush_scheduled = True
+    loop.call_soon(flush)
+
+
+def flush() -> None:
+    """Write the queued lines (the loop calls it; so does shutdown)."""
+    global _flush_scheduled
+    _flush_scheduled = False
+    if not _pending:
+        return
+    text = "\n".join(_pending) + "\n"
+    _pending.clear()
+    try:
+        _out.write(text)
+        _out.flush()
+    except (OSError, ValueError):  # stderr closed or broken: the lines are lost, never a request
+        pass
 
 
 _second: list[Any] = [-1, ""]  # the last whole second formatted, and its text
@@ -122,8 +148,8 @@ def safe_url(url: str | None) -> str | None:
 
 
 def _render_json(fields: dict[str, Any]) -> str:
-    # The cost as an exact decimal number, as on the API's responses.
-    return orjson.dumps({**fields, "cost": orjson.Fragment(fields["cost"].encode())}).decode()
+    fields["cost"] = orjson.Fragment(fields["cost"].encode())  # an exact decimal number, as on the API
+    return orjson.dumps(fields).decode()
 
 
 def _render_text(fields: dict[str, Any]) -> str:
@@ -139,4 +165,5 @@ def _text(value: Any) -> str:
     return text
 
 
+atexit.register(flush)
 _NEEDS_QUOTES = re.compile(r'[\s"=\\]')

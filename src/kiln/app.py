@@ -259,6 +259,7 @@ def create_app(
             await close_parts(parts)
             await client.close()
             tracing.shutdown()
+            access_log.flush()
 
     routes = [
         Route("/v1/models", list_models, methods=["GET"]),
