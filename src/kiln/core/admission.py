@@ -107,7 +107,8 @@ class _Window:
         entries = self.entries
         if entries and entries[-1][0] == end:
             entries[-1][1] += amount
-        else:
+        else:  # a new slice: what left the window goes (a window no limit reads stays bounded too)
+            self.used(now)
             entries.append([end, amount])
         self.total += amount
 
@@ -262,11 +263,14 @@ class MemoryAdmission:
                      now: float, who: str) -> None:
         if concurrency is not None and state.in_flight >= concurrency:
             raise concurrency_error(who, concurrency)
-        headers = rate_headers(rpm, tpm, state.requests.used(now), state.tokens.used(now))
-        if rpm is not None and state.requests.used(now) >= rpm:
-            raise rate_error(who, rpm, "requests", state.requests.reset_in(now), headers)
-        if tpm is not None and state.tokens.used(now) >= tpm:
-            raise rate_error(who, tpm, "tokens", state.tokens.reset_in(now), headers)
+        if rpm is None and tpm is None:
+            return
+        requests, tokens = state.requests.used(now), state.tokens.used(now)
+        if rpm is not None and requests >= rpm:
+            raise rate_error(who, rpm, "requests", state.requests.reset_in(now),
+                             rate_headers(rpm, tpm, requests, tokens))
+        if tpm is not None and tokens >= tpm:
+            raise rate_error(who, tpm, "tokens", state.tokens.reset_in(now), rate_headers(rpm, tpm, requests, tokens))
 
 
 def concurrency_error(who: str, limit: int) -> errors.GatewayError:
