@@ -92,7 +92,8 @@ class DisconnectGuard:
 
 
 class StreamResponse:
-    """An SSE response driven by a producer coroutine that writes frames.
+    """An SSE response driven by a producer coroutine that writes frames and returns the last
+    ones, which go out with the end of the body (one write, not two).
 
     The producer runs in the request's task; a timer (no task) writes
     `keepalive()` whenever nothing was sent for `keepalive_s`, so idle
@@ -105,7 +106,7 @@ class StreamResponse:
 
     def __init__(
         self,
-        produce: Callable[[Write], Awaitable[None]],
+        produce: Callable[[Write], Awaitable[bytes]],
         headers: dict[str, str],
         keepalive: Callable[[], bytes],
         keepalive_s: float,
@@ -135,7 +136,7 @@ class StreamResponse:
         guard = DisconnectGuard(receive)
         try:
             try:
-                await self.produce(write)
+                tail = await self.produce(write)
             finally:
                 guard.stop()
                 await keeper.stop()
@@ -146,7 +147,10 @@ class StreamResponse:
             return
         except OSError:  # the client went away while we wrote (ASGI spec 2.4 servers)
             return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        try:
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        except OSError:  # gone before the last frames: the request is metered already
+            pass
 
 
 class _Keepalive:

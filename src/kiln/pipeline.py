@@ -272,8 +272,8 @@ class Gateway:
         else:
             resp, first = None, run.tr.keepalive()  # one interval of silence already passed
 
-        async def produce(write: Write) -> None:
-            await self._pump(run, resp or pending, write)
+        async def produce(write: Write) -> bytes:
+            return await self._pump(run, resp or pending, write)
 
         def keepalive() -> bytes:
             metrics.record_keepalive(run.tr.endpoint)
@@ -283,8 +283,9 @@ class Gateway:
                               self.settings.keepalive_s, first)
 
     async def _pump(self, run: _Run, source: aiohttp.ClientResponse | asyncio.Future[aiohttp.ClientResponse],
-                    write: Write) -> None:
-        """Upstream SSE -> client frames; meter before the last byte, whatever happens."""
+                    write: Write) -> bytes:
+        """Upstream SSE -> client frames; meter before the last byte, whatever happens. Returns
+        the last frames (the usage and end events, or the error), which end the response."""
         tr = run.tr
         resp: aiohttp.ClientResponse | None = None
         left = True  # the client went away (this task was cancelled) unless we learn otherwise
@@ -295,20 +296,20 @@ class Gateway:
             left = False
             event, usage = await self._meter(run)
             self._observe(run, 200)
-            await write(tr.finish(usage, event.cost_nano))
+            return tr.finish(usage, event.cost_nano)
         except GatewayError as err:
             left = False
             run.outcome = outcome_of(err)
             await self._meter(run, status="timeout" if err.status == 504 else "error")
             self._observe(run, 200, metrics.error_type(err.status, err.backend))
-            await write(tr.stream_error(err))
+            return tr.stream_error(err)
         except Exception:
             left = False
             run.outcome = Outcome.CANCELLED  # a defect of ours says nothing about the backend
             log.exception("internal error in a %s stream (%s)", tr.endpoint, run.generation_id)
             await self._meter(run, status="error")
             self._observe(run, 200, "internal")
-            await write(tr.stream_error(errors.internal()))
+            return tr.stream_error(errors.internal())
         finally:
             if resp is None and isinstance(source, asyncio.Future):  # left while the backend was silent
                 source.cancel()
