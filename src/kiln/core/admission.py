@@ -86,37 +86,38 @@ WINDOW_S = 60
 class _Window:
     """Amounts recorded in the last minute, with their running sum.
 
-    Kept per tenth of a second, each slice stamped with its end: a window holds at most 600
-    entries however many requests a second it counts (one entry per request would hold a
-    minute of traffic: 40 MiB at 1,500 requests a second), and an amount leaves the window at
-    most 0.1 s late, never early, so a limit is never passed; a caller at its limit may wait
-    up to 0.1 s longer than an exact window would make it."""
+    Kept per tenth of a second: a window holds at most 600 entries however many requests a
+    second it counts (one entry per request would hold a minute of traffic: 40 MiB at 1,500
+    requests a second). A slice is stamped with the time of its latest amount and leaves the
+    window a minute after that: its earlier amounts stay at most 0.1 s longer than a minute,
+    never less, so a limit is never passed, and the reset a refusal announces is when its
+    oldest slice leaves (at most 60 s, like an exact window's)."""
 
-    entries: deque[list[int]] = field(default_factory=deque)  # [slice end in tenths of a second, amount]
+    entries: deque[list[float]] = field(default_factory=deque)  # [slice number, amount, latest time]
     total: int = 0
 
     def used(self, now: float) -> int:
         entries = self.entries
-        cutoff = (now - WINDOW_S) * SLICES_PER_S
-        while entries and entries[0][0] <= cutoff:
-            self.total -= entries.popleft()[1]
+        cutoff = now - WINDOW_S
+        while entries and entries[0][2] <= cutoff:
+            self.total -= int(entries.popleft()[1])
         return self.total
 
     def add(self, now: float, amount: int) -> None:
-        end = math.floor(now * SLICES_PER_S) + 1
+        number = math.floor(now * SLICES_PER_S)
         entries = self.entries
-        if entries and entries[-1][0] == end:
-            entries[-1][1] += amount
+        if entries and entries[-1][0] == number:
+            last = entries[-1]
+            last[1] += amount
+            last[2] = now
         else:  # a new slice: what left the window goes (a window no limit reads stays bounded too)
             self.used(now)
-            entries.append([end, amount])
+            entries.append([number, amount, now])
         self.total += amount
 
     def reset_in(self, now: float) -> int:
-        """Whole seconds until the oldest entry leaves the window."""
-        if not self.entries:
-            return 0
-        return max(1, math.ceil(self.entries[0][0] / SLICES_PER_S + WINDOW_S - now))
+        """Whole seconds until the oldest slice leaves the window."""
+        return max(1, math.ceil(self.entries[0][2] + WINDOW_S - now)) if self.entries else 0
 
 
 @dataclass(slots=True)
