@@ -81,6 +81,8 @@ class GuardedProtocol(HttpToolsProtocol):
     """Per request it adds one flag test per read, and a dict pop and insert: no timer, no
     callback per header (the count is checked once the head is in, its size per read)."""
 
+    # In slots: three more entries would grow every connection's instance dict to its next size.
+    __slots__ = ("_head_done", "_head_bytes", "_refusal")
     shared: _Shared
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
