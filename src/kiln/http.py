@@ -58,13 +58,14 @@ async def wait_disconnect(receive: Receive) -> None:
 
 
 class DisconnectGuard:
-    """Cancels the task that made it if the client disconnects before `stop()`.
+    """Cancels the task that made it if the client disconnects inside its `with` block.
 
     The work then runs in the request's own task, so a request pays for one
     watcher task, not a task for the work as well and an `asyncio.wait` over
     both (a tenth of the gateway's CPU per request). The watcher only runs
-    while that task is suspended inside the guarded block, so its cancel
-    always lands there; `fired` tells a client that left from a shutdown.
+    while that task is suspended inside the block, so its cancel always lands
+    there; the block then ends quietly with `fired` set, while a cancellation
+    from anything else (a shutdown) goes on.
     """
 
     __slots__ = ("task", "fired", "_armed", "_watcher")
@@ -81,14 +82,17 @@ class DisconnectGuard:
             self.fired = True
             self.task.cancel()
 
-    def stop(self) -> None:
+    def __enter__(self) -> DisconnectGuard:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> bool:
         self._armed = False
         self._watcher.cancel()
-
-    def absorb(self) -> None:
-        """After catching the CancelledError this guard caused: the task goes on, not cancelled."""
-        if self.task is not None:
-            self.task.uncancel()
+        if self.fired and exc_type is not None and issubclass(exc_type, asyncio.CancelledError):
+            if self.task is not None:
+                self.task.uncancel()  # this guard's cancel: the task goes on, not cancelled
+            return True
+        return False
 
 
 class StreamResponse:
@@ -133,19 +137,14 @@ class StreamResponse:
             await send({"type": "http.response.body", "body": data, "more_body": True})
 
         keeper = _Keepalive(self.keepalive_s, lambda: last, lambda: write(self.keepalive()))
-        guard = DisconnectGuard(receive)
         try:
-            try:
+            with DisconnectGuard(receive) as guard:
                 tail = await self.produce(write)
-            finally:
-                guard.stop()
-                await keeper.stop()
-        except asyncio.CancelledError:
-            if not guard.fired:
-                raise
-            guard.absorb()
-            return
         except OSError:  # the client went away while we wrote (ASGI spec 2.4 servers)
+            return
+        finally:
+            await keeper.stop()
+        if guard.fired:
             return
         try:
             await send({"type": "http.response.body", "body": tail, "more_body": False})

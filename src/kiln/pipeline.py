@@ -213,23 +213,17 @@ class Gateway:
 
     async def _complete(self, run: _Run, request: Request) -> Response:
         """Non-streaming: one upstream JSON body, cancelled if the client leaves."""
-        guard = DisconnectGuard(request.receive)
         try:
-            try:
+            with DisconnectGuard(request.receive) as guard:
                 async with asyncio.timeout(max(run.deadline - time.monotonic(), 0)):
                     raw = await self._fetch(run)
-            finally:
-                guard.stop()
-        except asyncio.CancelledError:
-            if not guard.fired:  # a shutdown, not the client
-                raise
-            guard.absorb()
+        except TimeoutError:
+            raise errors.timeout("The request took longer than the gateway's time limit.") from None
+        if guard.fired:
             run.outcome = Outcome.CANCELLED
             await self._meter(run, status="cancelled", cancelled=True)
             self._observe(run, 499, "cancelled")
             return Response(b"", status_code=499)
-        except TimeoutError:
-            raise errors.timeout("The request took longer than the gateway's time limit.") from None
         run.usage = run.tr.response(raw)
         event, usage = await self._meter(run)
         headers = {GENERATION_HEADER: run.generation_id}

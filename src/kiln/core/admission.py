@@ -83,41 +83,50 @@ WINDOW_S = 60
 
 
 @dataclass(slots=True)
+class _Slice:
+    """The amounts of one tenth of a second, and when the latest of them came."""
+
+    number: int  # floor(time * SLICES_PER_S)
+    amount: int
+    latest: float
+
+
+@dataclass(slots=True)
 class _Window:
     """Amounts recorded in the last minute, with their running sum.
 
-    Kept per tenth of a second: a window holds at most 600 entries however many requests a
+    Kept per tenth of a second: a window holds at most 600 slices however many requests a
     second it counts (one entry per request would hold a minute of traffic: 40 MiB at 1,500
-    requests a second). A slice is stamped with the time of its latest amount and leaves the
-    window a minute after that: its earlier amounts stay at most 0.1 s longer than a minute,
-    never less, so a limit is never passed, and the reset a refusal announces is when its
-    oldest slice leaves (at most 60 s, like an exact window's)."""
+    requests a second). A slice leaves the window a minute after its latest amount: its
+    earlier amounts stay at most 0.1 s longer than a minute, never less, so a limit is never
+    passed, and the reset a refusal announces is when its oldest slice leaves (at most 60 s,
+    like an exact window's)."""
 
-    entries: deque[list[float]] = field(default_factory=deque)  # [slice number, amount, latest time]
+    slices: deque[_Slice] = field(default_factory=deque)
     total: int = 0
 
     def used(self, now: float) -> int:
-        entries = self.entries
+        slices = self.slices
         cutoff = now - WINDOW_S
-        while entries and entries[0][2] <= cutoff:
-            self.total -= int(entries.popleft()[1])
+        while slices and slices[0].latest <= cutoff:
+            self.total -= slices.popleft().amount
         return self.total
 
     def add(self, now: float, amount: int) -> None:
         number = math.floor(now * SLICES_PER_S)
-        entries = self.entries
-        if entries and entries[-1][0] == number:
-            last = entries[-1]
-            last[1] += amount
-            last[2] = now
+        slices = self.slices
+        if slices and slices[-1].number == number:
+            last = slices[-1]
+            last.amount += amount
+            last.latest = now
         else:  # a new slice: what left the window goes (a window no limit reads stays bounded too)
             self.used(now)
-            entries.append([number, amount, now])
+            slices.append(_Slice(number, amount, now))
         self.total += amount
 
     def reset_in(self, now: float) -> int:
         """Whole seconds until the oldest slice leaves the window."""
-        return max(1, math.ceil(self.entries[0][2] + WINDOW_S - now)) if self.entries else 0
+        return max(1, math.ceil(self.slices[0].latest + WINDOW_S - now)) if self.slices else 0
 
 
 @dataclass(slots=True)
