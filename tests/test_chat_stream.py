@@ -7,6 +7,7 @@ back from the simulator via a unique `sim.tag` per request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from decimal import Decimal
@@ -419,3 +420,26 @@ def test_client_disconnect_cancels_upstream_and_bills_what_was_generated(tenant:
     assert event["completion_tokens"] < 60, "only what was generated before the disconnect is billed"
     admitted = tenant.org()["in_flight"]
     assert admitted == 0, "the admission slot is released"
+
+
+def test_a_keepalive_due_at_a_tick_is_dropped_if_the_stream_writes_first() -> None:
+    """The keepalive timer decides at its tick and writes from a task a turn of the loop later;
+    a chunk written in between makes that keepalive moot (it would land between two chunks)."""
+    from kiln.http import _Keepalive
+
+    async def run() -> list[str]:
+        beats: list[str] = []
+        last = [time.monotonic() - 1.0]  # silent for a second: a beat is due
+
+        async def beat() -> None:
+            beats.append("keepalive")
+
+        keeper = _Keepalive(0.5, lambda: last[0], beat)
+        keeper._tick()  # the timer fires: due, so a beat task is scheduled
+        last[0] = time.monotonic()  # the stream writes a chunk in the same turn
+        for _ in range(3):
+            await asyncio.sleep(0)
+        await keeper.stop()
+        return beats
+
+    assert asyncio.run(run()) == []

@@ -168,9 +168,15 @@ class _Keepalive:
         idle = time.monotonic() - self.last()
         if idle >= self.every_s:
             if self.beating is None or self.beating.done():  # a beat still being written is enough
-                self.beating = asyncio.ensure_future(self.beat())
+                self.beating = asyncio.ensure_future(self._beat())
             idle = 0.0
         self.timer = self.loop.call_later(max(self.every_s - idle, 0.01), self._tick)
+
+    async def _beat(self) -> None:
+        # The task runs a turn of the loop after the tick: if the stream wrote meanwhile, no
+        # keepalive lands between its chunks.
+        if time.monotonic() - self.last() >= self.every_s:
+            await self.beat()
 
     async def stop(self) -> None:
         if self.timer is not None:
