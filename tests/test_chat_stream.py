@@ -443,3 +443,24 @@ def test_a_keepalive_due_at_a_tick_is_dropped_if_the_stream_writes_first() -> No
         return beats
 
     assert asyncio.run(run()) == []
+
+
+def test_client_leaving_before_the_backend_answers_cancels_it_at_once(tenant: Tenant, sim: Sim) -> None:
+    """The backend has not sent its headers yet (queued, or thinking), the client gives up: the
+    backend request is cancelled then, not when the backend answers, and the stream is billed
+    like any stream its client left (one event, the admission slot released)."""
+    wait_for(lambda: sim.stats()["in_flight"] == 0, what="an idle simulator")
+    before = sim.stats()
+    body = {"model": QWEN, "messages": HELLO, "stream": True, "sim": {"delay_ms": 6000}}
+    client = tenant.http()
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/chat/completions", json=body, timeout=0.3)  # no keepalive yet: nothing came
+    client.close()
+    left = time.monotonic()
+    stats = wait_for(lambda: (s := sim.stats())["cancelled"] > before["cancelled"] and s["in_flight"] == 0 and s,
+                     what="the simulator to see the cancellation", timeout=10)
+    assert time.monotonic() - left < 3, "the backend request outlived its client"
+    assert stats["completed"] == before["completed"]
+    events = wait_for(lambda: [e for e in tenant.usage() if e["cancelled"]], what="the cancelled stream's event")
+    assert len(events) == 1 and events[0]["completion_tokens"] == 0
+    assert tenant.org()["in_flight"] == 0, "the admission slot is released"

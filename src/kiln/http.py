@@ -10,6 +10,7 @@ import time
 from typing import Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kiln.core import errors
@@ -96,60 +97,97 @@ class DisconnectGuard:
 
 
 class StreamResponse:
-    """An SSE response driven by a producer coroutine that writes frames and returns the last
-    ones, which go out with the end of the body (one write, not two).
+    """An SSE response driven by a producer coroutine: it reaches the backend, writes frames
+    through a `StreamOut` and returns the last ones, which go out with the end of the body
+    (one write, not two), or returns a plain response (an error) if nothing was sent yet.
 
-    The producer runs in the request's task; a timer (no task) writes
-    `keepalive()` whenever nothing was sent for `keepalive_s`, so idle
-    connections stay open at no per-chunk cost. It is called each time because
-    some protocols' keepalives are numbered events (Responses:
-    `sequence_number`), not a fixed comment. If the client disconnects, the
-    producer is cancelled; its own cleanup cancels the upstream request and
-    meters what was generated.
+    The producer runs in the request's task, from before the backend answers: no second
+    task waits for the backend while this one waits for it. A timer (no task) writes
+    `keepalive()` whenever nothing was sent for `keepalive_s`; the first one, if the backend
+    is that slow to answer, commits to the 200, so the client's connection stays open
+    while it thinks. It is called each time because some protocols' keepalives are
+    numbered events (Responses: `sequence_number`), not a fixed comment. If the client
+    disconnects, the producer is cancelled; its own cleanup cancels the upstream request
+    and meters what was generated.
     """
+
+    __slots__ = ("produce", "headers", "keepalive", "keepalive_s")
 
     def __init__(
         self,
-        produce: Callable[[Write], Awaitable[bytes]],
+        produce: Callable[[StreamOut], Awaitable[bytes | Response]],
         headers: dict[str, str],
         keepalive: Callable[[], bytes],
         keepalive_s: float,
-        first: bytes = b"",
     ) -> None:
         self.produce = produce
         self.headers = headers
         self.keepalive = keepalive
         self.keepalive_s = keepalive_s
-        self.first = first  # sent with the headers (a keepalive when the backend is already slow)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
                        (b"x-accel-buffering", b"no")]
         raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
-        await send({"type": "http.response.start", "status": 200, "headers": raw_headers})
-        if self.first:
-            await send({"type": "http.response.body", "body": self.first, "more_body": True})
-        last = time.monotonic()
-
-        async def write(data: bytes) -> None:
-            nonlocal last
-            last = time.monotonic()
-            await send({"type": "http.response.body", "body": data, "more_body": True})
-
-        keeper = _Keepalive(self.keepalive_s, lambda: last, lambda: write(self.keepalive()))
+        out = StreamOut(send, raw_headers)
+        out.keeper = _Keepalive(self.keepalive_s, out.last_write, lambda: out.write(self.keepalive()))
         try:
             with DisconnectGuard(receive) as guard:
-                tail = await self.produce(write)
+                tail = await self.produce(out)
         except OSError:  # the client went away while we wrote (ASGI spec 2.4 servers)
             return
         finally:
-            await keeper.stop()
+            await out.keeper.stop()
         if guard.fired:
             return
+        if isinstance(tail, Response):  # refused before any byte was sent
+            await tail(scope, receive, send)
+            return
         try:
+            await out.start()
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         except OSError:  # gone before the last frames: the request is metered already
             pass
+
+
+class StreamOut:
+    """Where a stream's producer writes: the 200 goes out before the first frame (or the
+    first keepalive), and `committed()` tells, once the backend failed, whether it can still
+    be answered with a plain error instead (and makes sure no keepalive starts one after)."""
+
+    __slots__ = ("send", "headers", "started", "last", "keeper")
+
+    def __init__(self, send: Send, headers: list[tuple[bytes, bytes]]) -> None:
+        self.send = send
+        self.headers = headers
+        self.started = False
+        self.last = time.monotonic()
+        self.keeper: _Keepalive | None = None
+
+    def last_write(self) -> float:
+        return self.last
+
+    async def start(self) -> None:
+        """Send the 200 and its headers, once."""
+        if not self.started:
+            self.started = True  # before the await: a keepalive written meanwhile sends no second start
+            self.last = time.monotonic()
+            await self.send({"type": "http.response.start", "status": 200, "headers": self.headers})
+
+    async def write(self, data: bytes) -> None:
+        if not self.started:
+            await self.start()
+        self.last = time.monotonic()
+        await self.send({"type": "http.response.body", "body": data, "more_body": True})
+
+    def committed(self) -> bool:
+        """True if the 200 is out; else no keepalive will send it (the timer stops) and the
+        producer answers with a plain response."""
+        if self.started:
+            return True
+        if self.keeper is not None:
+            self.keeper.cancel()
+        return False
 
 
 class _Keepalive:
@@ -178,10 +216,15 @@ class _Keepalive:
         if time.monotonic() - self.last() >= self.every_s:
             await self.beat()
 
-    async def stop(self) -> None:
+    def cancel(self) -> None:
+        """No more beats, from now on (one scheduled but not yet running is dropped)."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
-        if self.beating is not None:
+        if self.beating is not None and not self.beating.done():
             self.beating.cancel()
+
+    async def stop(self) -> None:
+        self.cancel()
+        if self.beating is not None:
             await asyncio.gather(self.beating, return_exceptions=True)

@@ -45,7 +45,7 @@ from kiln.core.keys import bearer_token
 from kiln.core.ledger import Ledger, new_generation_id
 from kiln.core.maintenance import Maintenance
 from kiln.core.records import ApiKey, Usage, UsageEvent
-from kiln.http import DisconnectGuard, StreamResponse, Write, read_body
+from kiln.http import DisconnectGuard, StreamOut, StreamResponse, Write, read_body
 from kiln.protocols.base import Context, Translator, UpstreamCall
 from kiln.health import Outcome
 from kiln.router import Lease, Router, outcome_of
@@ -167,7 +167,7 @@ class Gateway:
         self.in_flight += 1
         try:
             if call.stream:
-                return await self._start_stream(run, request)
+                return self._stream(run)
             return await self._complete(run, request)
         except GatewayError as err:
             return await self._failed(run, err)
@@ -252,40 +252,36 @@ class Gateway:
 
     # -- streaming -------------------------------------------------------------
 
-    async def _start_stream(self, run: _Run, request: Request) -> Response | StreamResponse:
-        """Wait for the upstream status while we still can answer with an error.
-
-        If the backend has not answered within one keepalive interval, commit
-        to the 200 and keep the client's connection alive while it thinks.
-        """
-        pending = asyncio.ensure_future(self._send(run))
-        done, _ = await asyncio.wait((pending,), timeout=self.settings.keepalive_s)
-        first = b""
-        if done:
-            resp: aiohttp.ClientResponse | None = pending.result()  # raises before any byte is sent
-        else:
-            resp, first = None, run.tr.keepalive()  # one interval of silence already passed
-
-        async def produce(write: Write) -> bytes:
-            return await self._pump(run, resp or pending, write)
+    def _stream(self, run: _Run) -> StreamResponse:
+        async def produce(out: StreamOut) -> bytes | Response:
+            return await self._pump(run, out)
 
         def keepalive() -> bytes:
             metrics.record_keepalive(run.tr.endpoint)
             return run.tr.keepalive()
 
-        return StreamResponse(produce, {GENERATION_HEADER: run.generation_id}, keepalive,
-                              self.settings.keepalive_s, first)
+        return StreamResponse(produce, {GENERATION_HEADER: run.generation_id}, keepalive, self.settings.keepalive_s)
 
-    async def _pump(self, run: _Run, source: aiohttp.ClientResponse | asyncio.Future[aiohttp.ClientResponse],
-                    write: Write) -> bytes:
-        """Upstream SSE -> client frames; meter before the last byte, whatever happens. Returns
-        the last frames (the usage and end events, or the error), which end the response."""
+    async def _pump(self, run: _Run, out: StreamOut) -> bytes | Response:
+        """Backend SSE -> client frames; meter before the last byte, whatever happens. Returns
+        the last frames (the usage and end events, or the error), which end the response, or
+        an error response if the backend failed before the 200 went out.
+
+        If the backend takes longer than a keepalive interval to answer, the 200 goes out
+        with a keepalive meanwhile, and its refusal then comes in the stream."""
         tr = run.tr
         resp: aiohttp.ClientResponse | None = None
         left = True  # the client went away (this task was cancelled) unless we learn otherwise
         try:
-            resp = source if isinstance(source, aiohttp.ClientResponse) else await source
-            if not await self._relay(run, resp, write):
+            try:
+                resp = await self._send(run)
+            except GatewayError as err:
+                if not out.committed():
+                    left = False
+                    return await self._failed(run, err)
+                raise
+            await out.start()
+            if not await self._relay(run, resp, out.write):
                 raise errors.bad_gateway("The model backend ended the stream early.")
             left = False
             event, usage = await self._meter(run)
@@ -299,16 +295,14 @@ class Gateway:
             return tr.stream_error(err)
         except Exception:
             left = False
-            run.outcome = Outcome.CANCELLED  # a defect of ours says nothing about the backend
             log.exception("internal error in a %s stream (%s)", tr.endpoint, run.generation_id)
+            if not out.committed():
+                return await self._failed(run, errors.internal())
+            run.outcome = Outcome.CANCELLED  # a defect of ours says nothing about the backend
             await self._meter(run, status="error")
             self._observe(run, 200, "internal")
             return tr.stream_error(errors.internal())
         finally:
-            if resp is None and isinstance(source, asyncio.Future):  # left while the backend was silent
-                source.cancel()
-                if source.done() and not source.cancelled() and source.exception() is None:
-                    resp = source.result()
             if resp is not None:
                 resp.close()  # cancels the generation on the backend if it is still running
             if left:  # bill what was generated, off the response path but tracked
