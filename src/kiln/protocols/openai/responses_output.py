@@ -128,7 +128,7 @@ class EventStream:
 
     def __init__(self, items: Items, head: bytes, alive: bytes, single_tool_call: bool) -> None:
         self.items = items
-        self.head = orjson.Fragment(head)
+        self.head: orjson.Fragment | None = orjson.Fragment(head)  # dropped once sent: tens of KB with an agent's tools
         self.alive = orjson.Fragment(alive)
         self.single_tool_call = single_tool_call
         self.seq = 0
@@ -149,8 +149,8 @@ class EventStream:
         if self.started:
             return b""
         self.started = True
-        return (self.event("response.created", response=self.head)
-                + self.event("response.in_progress", response=self.head))
+        head, self.head = self.head, None
+        return self.event("response.created", response=head) + self.event("response.in_progress", response=head)
 
     def keepalive(self) -> bytes:
         """The smallest event that resets Codex's stream idle timer (an SSE comment does not)."""
