@@ -97,12 +97,18 @@ def first_token_table(rows: dict[str, dict[str, float | str]], limit_ms: float =
 
 def slow_lines(s: SlowResult, limit_mb: float = 300.0) -> list[str]:
     ok = s.completed == s.n and s.peak_open == s.n and s.peak_rss_mb <= limit_mb
-    out = [f"- many slow streams ({s.protocol}, one token a second): {s.completed:,} of {s.n:,} complete in "
+    body = ", 60 KB agent bodies" if s.body == "agent" else ""
+    out = [f"- many slow streams ({s.protocol}{body}, one token a second): {s.completed:,} of {s.n:,} complete in "
            f"{s.seconds:.0f} s (all opened in {s.open_s:.0f} s); up to {s.peak_open:,} open at once at the client, "
            f"{s.upstream_peak:,} at the simulator; gateway RSS idle "
            f"{s.idle_rss_mb:.0f} MiB, peak {s.peak_rss_mb:.0f} MiB ({s.kb_per_stream:.0f} KiB per stream); "
            f"ledger {s.metered:,} events; gateway open files up to {s.peak_fds:,} (limit {s.fd_limit:,}); "
            f"{'OK' if ok else 'MISS'} (all open at once, all complete, peak ≤ {limit_mb:.0f} MB)"]
+    if s.bare is not None:
+        t = s.bare
+        out.append(f"  - the bare proxy, the same streams: {t.completed:,} of {t.n:,} complete, up to {t.peak_open:,} "
+                   f"open at once; RSS idle {t.idle_rss_mb:.0f} MiB, peak {t.peak_rss_mb:.0f} MiB "
+                   f"({t.kb_per_stream:.0f} KiB per stream; Kiln / bare {s.kb_per_stream / max(t.kb_per_stream, 0.1):.2f}×)")
     if s.peak_open < s.completed:
         out.append(f"  - only {s.peak_open:,} of {s.n:,} were open at once: the first ended before the last opened "
                    "(a busy gateway opens them slowly; lengthen them with --slow-tokens)")

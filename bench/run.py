@@ -52,6 +52,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--long-targets", default="kiln,bare", help="long streams: kiln and/or bare (default both)")
     p.add_argument("--slow-streams", type=int, default=2000, help="slow: concurrent streams (default 2,000)")
     p.add_argument("--slow-protocol", default="chat", choices=PROTOCOLS, help="slow: protocol (default chat)")
+    p.add_argument("--slow-body", default="small", choices=("small", "agent"),
+                   help="slow: small requests, or the 60 KB agent bodies (messages, responses)")
     p.add_argument("--slow-rate", type=float, default=250.0, help="slow: streams opened per second, at most "
                    "(default 250)")
     p.add_argument("--slow-tokens", type=int, default=0, help="slow: tokens (= seconds) per stream "
@@ -169,7 +171,7 @@ def main_sections(a: argparse.Namespace, stack: ExitStack, tmp: Path, sim: Serve
     if "slow" in a.sections:
         print(f"many slow streams ({a.slow_streams:,}):", flush=True)
         out += report.slow_lines(slow_streams(b, stack, tmp, a.slow_streams, a.slow_protocol, a.server, gw_cpu,
-                                              nofile, a.slow_rate, a.slow_tokens))
+                                              nofile, a.slow_rate, a.slow_tokens, a.slow_body))
     out.append(ledger_line(b, org_id))
     return out
 

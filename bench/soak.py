@@ -1,8 +1,9 @@
 """Memory checks: many slow streams held at once, and RSS sampled over a long run.
 
-Both go through Kiln only. The slow streams get a gateway of their own (fresh, so its peak
-RSS is theirs), started with the open-file limit this benchmark was started with: if Kiln
-cannot hold N streams for lack of descriptors, that is the finding.
+The slow streams get a gateway of their own (fresh, so its peak RSS is theirs), started with
+the open-file limit this benchmark was started with: if Kiln cannot hold N streams for lack
+of descriptors, that is the finding; chat and completions streams are then held by a fresh
+bare proxy too, the floor for a Python gateway. RSS over time is Kiln's only.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ from typing import Any
 
 from load import Load
 from measure import Bench, prepare
-from servers import PY, BenchError, Server, create_tenant, http, pinned, set_sim_rules, start_kiln, stop, usage_events
-from workloads import make
+from servers import (PY, BenchError, Server, create_tenant, http, pinned, set_sim_rules, start_bare, start_kiln, stop,
+                     usage_events)
+from workloads import AGENT_TAG, MODEL, Workload, agent, make, sim_control
 
 HERE = Path(__file__).resolve().parent
 
@@ -41,15 +43,30 @@ class SlowResult:
     peak_open: int  # most streams the load generator had open at once
     peak_fds: int  # most file descriptors the gateway had open
     fd_limit: int  # the gateway's open-file limit
+    body: str = "small"  # small | agent (the 60 KB agent bodies)
+    bare: SlowResult | None = None  # the same streams through the bare proxy (chat and completions)
 
     @property
     def kb_per_stream(self) -> float:
         return (self.peak_rss_mb - self.idle_rss_mb) * 1024 / max(self.peak_open, 1)
 
 
+def slow_workload(protocol: str, body: str, tokens: int) -> Workload:
+    """One token a second for `tokens` seconds; `agent`: the 60 KB agent body (messages, responses)."""
+    if body != "agent":
+        return make(protocol, "slow", True, tokens=tokens, delay_ms=1000)
+    if protocol not in ("messages", "responses"):
+        raise BenchError("--slow-body agent: the agent bodies are Messages and Responses requests")
+    w = agent(protocol)
+    w.name, w.tokens, w.rules = "slow-agent", tokens, [{"when": AGENT_TAG, "sim": sim_control(tokens, 1000)}]
+    return w
+
+
 def slow_streams(b: Bench, stack: ExitStack, tmp: Path, n: int, protocol: str, server: str,
-                 gw_cpu: int | None, nofile: tuple[int, int], rate: float = 250.0, tokens: int = 0) -> SlowResult:
-    """N streams of one token a second through a fresh Kiln, long enough to be all open at once.
+                 gw_cpu: int | None, nofile: tuple[int, int], rate: float = 250.0, tokens: int = 0,
+                 body: str = "small") -> SlowResult:
+    """N streams of one token a second through a fresh Kiln, long enough to be all open at once,
+    then (chat and completions) the same through a fresh bare proxy.
 
     Opening a stream costs the gateway about a millisecond of CPU (more on a busy machine), so
     each stream lasts `tokens` seconds (default: N / 100 + 15, i.e. the last one opens before the
@@ -59,21 +76,39 @@ def slow_streams(b: Bench, stack: ExitStack, tmp: Path, n: int, protocol: str, s
     kiln = start_kiln(stack, kiln_tmp, b.sim.url, gw_cpu, server, nofile)
     org_id, key = create_tenant(kiln)
     tokens = tokens or math.ceil(n / 100) + 15
-    w = make(protocol, "slow", True, tokens=tokens, delay_ms=1000)
+    w = slow_workload(protocol, body, tokens)
     quick = Bench({"direct": b.sim, "kiln": kiln}, key, b.run, b.load_cpu, b.duration, b.warmup)
     fast = make(protocol, "slow-check", True)  # check the path with an instant reply first
     prepare(quick, fast, ["kiln"])
-    path, body = quick.request("kiln", w)
     set_sim_rules(b.sim, w.rules)
-    body_file = kiln_tmp / "body.json"
+    path, request = quick.request("kiln", w)
+    result = _slow_run(b, kiln, kiln_tmp, path, request, quick.headers("kiln", w), protocol, n, rate, tokens)
+    events, deadline = 0, time.monotonic() + 30  # metering of the last streams may lag
+    while (events := usage_events(kiln, org_id)) < result.completed + quick.kiln_sent and time.monotonic() < deadline:
+        time.sleep(0.5)
+    result.metered, result.body = events - quick.kiln_sent, body
+    stop(kiln.proc)  # free the gateway's core for what follows
+    if protocol in ("chat", "completions") and body == "small":
+        bare_tmp = tmp / "slow-bare"
+        bare_tmp.mkdir()
+        bare = start_bare(stack, bare_tmp, b.sim.url, gw_cpu, server, nofile)
+        direct = {**request, "model": (fast.direct or {}).get("model", MODEL)}  # the backend's name for it
+        result.bare = _slow_run(b, bare, bare_tmp, w.upstream_path, direct, {}, protocol, n, rate, tokens)
+        stop(bare.proc)
+    return result
+
+
+def _slow_run(b: Bench, gw: Server, tmp: Path, path: str, body: dict[str, Any], headers: dict[str, str],
+              protocol: str, n: int, rate: float, tokens: int) -> SlowResult:
+    """The slow-stream client against one gateway; its RSS idle and at the peak."""
+    body_file = tmp / "body.json"
     body_file.write_text(json.dumps(body))
     http("POST", b.sim.url + "/sim/stats/reset")
-    idle, fd_limit = kiln.rss_mb(), kiln.nofile_limit()
-    headers = [f"{k}: {v}" for k, v in quick.headers("kiln", w).items()]
-    cmd = [PY, str(HERE / "slow_client.py"), "--url", kiln.url, "--path", path, "--body-file", str(body_file),
+    idle, fd_limit = gw.rss_mb(), gw.nofile_limit()
+    cmd = [PY, str(HERE / "slow_client.py"), "--url", gw.url, "--path", path, "--body-file", str(body_file),
            "--protocol", protocol, "--tokens", str(tokens), "--n", str(n), "--rate", str(rate),
-           "--timeout", str(tokens * 10 + 120), *[x for h in headers for x in ("--header", h)]]
-    peak = _Sampler(kiln)
+           "--timeout", str(tokens * 10 + 120), *[x for k, v in headers.items() for x in ("--header", f"{k}: {v}")]]
+    peak = _Sampler(gw)
     start = time.monotonic()
     with peak:
         out = subprocess.run(pinned(cmd, b.load_cpu), capture_output=True, text=True, check=False)
@@ -82,17 +117,10 @@ def slow_streams(b: Bench, stack: ExitStack, tmp: Path, n: int, protocol: str, s
         raise BenchError(f"slow-stream client failed ({out.returncode}): {out.stdout[-2000:]}{out.stderr[-2000:]}")
     summary = json.loads(line[5:])
     stats = json.loads(http("GET", b.sim.url + "/sim/stats")[2])
-    completed = int(summary["completed"])
-    events, deadline = 0, time.monotonic() + 30  # metering of the last streams may lag
-    while (events := usage_events(kiln, org_id)) < completed + quick.kiln_sent and time.monotonic() < deadline:
-        time.sleep(0.5)
-    result = SlowResult(n, completed, summary["problems"], idle, max(peak.peak, kiln.peak_rss_mb()),
+    return SlowResult(n, int(summary["completed"]), summary["problems"], idle, max(peak.peak, gw.peak_rss_mb()),
                       int(stats.get("max_in_flight", 0)), time.monotonic() - start,
-                      "Too many open files" in kiln.log.read_text(errors="replace"), protocol,
-                      events - quick.kiln_sent, float(summary["open_s"]), int(summary["peak_open"]),
-                      peak.peak_fds, fd_limit)
-    stop(kiln.proc)  # free the gateway's core for what follows
-    return result
+                      "Too many open files" in gw.log.read_text(errors="replace"), protocol, 0,
+                      float(summary["open_s"]), int(summary["peak_open"]), peak.peak_fds, fd_limit)
 
 
 class _Sampler:
