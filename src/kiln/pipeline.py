@@ -214,7 +214,7 @@ class Gateway:
     async def _complete(self, run: _Run, request: Request) -> Response:
         """Non-streaming: one upstream JSON body, cancelled if the client leaves."""
         try:
-            with DisconnectGuard(request.receive) as guard:
+            with DisconnectGuard(request.receive, request.scope) as guard:
                 async with asyncio.timeout(max(run.deadline - time.monotonic(), 0)):
                     raw = await self._fetch(run)
         except TimeoutError:

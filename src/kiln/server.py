@@ -15,6 +15,8 @@ chunk of a response:
 - the head must be complete `header_timeout_s` after the connection opened or its
   previous response ended: else 408 (or a plain close if nothing came) — slowloris;
 - a head httptools cannot parse gets its 400 as JSON in the caller's protocol too;
+- a lost connection calls back the disconnect guards of its requests (kiln.http), which
+  cancel their work at once: no task per request watches `receive` for the disconnect;
 - at most `max_connections` open (capped to what the open-file limit allows): a new
   connection beyond that closes the connection that has waited longest without a
   request in progress, so an idle flood cannot lock real clients out.
@@ -37,6 +39,8 @@ from typing import Any
 import orjson
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kiln.http import DISCONNECT, Disconnect
 
 log = logging.getLogger("kiln.server")
 
@@ -87,7 +91,7 @@ class GuardedProtocol(HttpToolsProtocol):
     callback per header (the count is checked once the head is in, its size per read)."""
 
     # In slots: three more entries would grow every connection's instance dict to its next size.
-    __slots__ = ("_head_done", "_head_bytes", "_refusal")
+    __slots__ = ("_head_done", "_head_bytes", "_refusal", "_lost")
     shared: _Shared
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -95,6 +99,7 @@ class GuardedProtocol(HttpToolsProtocol):
         self._head_done = False  # the current request's head is in (its app runs)
         self._head_bytes = 0
         self._refusal: tuple[int, str] | None = None
+        self._lost = Disconnect()  # its requests' guards register here (kiln.http.DisconnectGuard)
         self.url = b""
         shared = self.shared
         shared.waiting[self] = self.loop.time()
@@ -116,6 +121,11 @@ class GuardedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.shared.waiting.pop(self, None)
         super().connection_lost(exc)
+        self._lost.fire()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[DISCONNECT] = self._lost  # type: ignore[literal-required]
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
