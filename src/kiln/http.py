@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from kiln.core import errors
+from kiln.deadline import Deadline
 from kiln.core.errors import GatewayError
 
 Write = Callable[[bytes], Awaitable[None]]
@@ -31,7 +32,7 @@ async def read_body(request: Request, limit: int, timeout_s: float | None = None
     chunks: list[bytes] = []
     size = 0
     try:
-        async with asyncio.timeout(timeout_s):
+        with Deadline(timeout_s):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:

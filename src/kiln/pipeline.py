@@ -43,6 +43,7 @@ from kiln.core.clock import Clock
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
 from kiln.core.ledger import Ledger, new_generation_id
+from kiln.deadline import Deadline
 from kiln.core.maintenance import Maintenance
 from kiln.core.records import ApiKey, Usage, UsageEvent
 from kiln.http import DisconnectGuard, StreamOut, StreamResponse, Write, read_body
@@ -215,7 +216,7 @@ class Gateway:
         """Non-streaming: one upstream JSON body, cancelled if the client leaves."""
         try:
             with DisconnectGuard(request.receive, request.scope) as guard:
-                async with asyncio.timeout(max(run.deadline - time.monotonic(), 0)):
+                with Deadline(run.deadline - time.monotonic()):
                     raw = await self._fetch(run)
         except TimeoutError:
             raise errors.timeout("The request took longer than the gateway's time limit.") from None
@@ -311,7 +312,7 @@ class Gateway:
     async def _relay(self, run: _Run, resp: aiohttp.ClientResponse, write: Write) -> bool:
         """Forward the stream; True once the translator needs no more of it."""
         try:
-            async with asyncio.timeout_at(asyncio.get_running_loop().time() + (run.deadline - time.monotonic())):
+            with Deadline(run.deadline - time.monotonic()):
                 return await self._forward(run, resp, write)
         except TimeoutError:
             raise errors.timeout("The request took longer than the gateway's time limit.") from None

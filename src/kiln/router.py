@@ -38,6 +38,7 @@ from kiln.catalog import Backend, Catalog, Model
 from kiln.config import Routing
 from kiln.core import errors
 from kiln.core.errors import GatewayError
+from kiln.deadline import Deadline
 from kiln.health import DOWN, EJECTED, HEALTHY, Ejection, Outcome
 from kiln.upstream import Upstream
 
@@ -54,7 +55,7 @@ class Lease:
     backend: Backend
     router: Router
     latency_s: float | None = None  # time to the response headers, once they came
-    waiting: asyncio.Timeout | None = None  # set while waiting for headers: fired early if the backend goes down
+    waiting: Deadline | None = None  # set while waiting for headers: fired early if the backend goes down
     released: bool = False
 
     def release(self, outcome: Outcome, latency_s: float | None = None, error: str | None = None) -> None:
@@ -181,10 +182,9 @@ class Router:
         if status == before:
             return
         if status == DOWN:
-            now = asyncio.get_running_loop().time()
             for lease in self._awaiting_headers[backend]:
                 if lease.waiting is not None:
-                    lease.waiting.reschedule(now)
+                    lease.waiting.expire()
         self._wake(self._model_of[backend].id, len(self._waiters[self._model_of[backend].id]))
 
     # -- sending, with failover ------------------------------------------------------
@@ -231,7 +231,7 @@ class Router:
         awaiting = self._awaiting_headers[backend]
         awaiting.add(lease)
         try:
-            async with asyncio.timeout(timeouts.headers_s if stream else None) as lease.waiting:
+            with Deadline(timeouts.headers_s if stream else None) as lease.waiting:
                 resp = await post(backend)
         except GatewayError as err:
             lease.release(outcome_of(err), time.monotonic() - started, err.message if err.outcome else None)
