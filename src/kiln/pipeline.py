@@ -43,9 +43,9 @@ from kiln.core.clock import Clock
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
 from kiln.core.ledger import Ledger, new_generation_id
-from kiln.deadline import Deadline
 from kiln.core.maintenance import Maintenance
 from kiln.core.records import ApiKey, Usage, UsageEvent
+from kiln.deadline import Deadline
 from kiln.http import DisconnectGuard, StreamOut, StreamResponse, Write, read_body
 from kiln.protocols.base import Context, Translator, UpstreamCall
 from kiln.health import Outcome
@@ -254,14 +254,12 @@ class Gateway:
     # -- streaming -------------------------------------------------------------
 
     def _stream(self, run: _Run) -> StreamResponse:
-        async def produce(out: StreamOut) -> bytes | Response:
-            return await self._pump(run, out)
-
         def keepalive() -> bytes:
             metrics.record_keepalive(run.tr.endpoint)
             return run.tr.keepalive()
 
-        return StreamResponse(produce, {GENERATION_HEADER: run.generation_id}, keepalive, self.settings.keepalive_s)
+        return StreamResponse(lambda out: self._pump(run, out), {GENERATION_HEADER: run.generation_id}, keepalive,
+                              self.settings.keepalive_s)
 
     async def _pump(self, run: _Run, out: StreamOut) -> bytes | Response:
         """Backend SSE -> client frames; meter before the last byte, whatever happens. Returns
@@ -274,13 +272,7 @@ class Gateway:
         resp: aiohttp.ClientResponse | None = None
         left = True  # the client went away (this task was cancelled) unless we learn otherwise
         try:
-            try:
-                resp = await self._send(run)
-            except GatewayError as err:
-                if not out.committed():
-                    left = False
-                    return await self._failed(run, err)
-                raise
+            resp = await self._send(run)
             await out.start()
             if not await self._relay(run, resp, out.write):
                 raise errors.bad_gateway("The model backend ended the stream early.")
@@ -290,6 +282,8 @@ class Gateway:
             return tr.finish(usage, event.cost_nano)
         except GatewayError as err:
             left = False
+            if not out.committed():  # the backend failed before the 200 went out
+                return await self._failed(run, err)
             run.outcome = outcome_of(err)
             await self._meter(run, status="timeout" if err.status == 504 else "error")
             self._observe(run, 200, metrics.error_type(err.status, err.backend))
