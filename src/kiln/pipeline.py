@@ -57,6 +57,7 @@ log = logging.getLogger("kiln.pipeline")
 GENERATION_HEADER = "X-Neocloud-Generation-Id"
 CAPPED_HEADER = "X-Kiln-Output-Capped"  # max_tokens lowered to what the money left covers
 BUDGET_NOTE = "Output stopped: the remaining credit, budget or key spend limit covers no more tokens."
+REQUEST_TIMEOUT = "The request took longer than the gateway's time limit."
 KEY_NOTE = "This API key is no longer active: the stream was stopped."
 
 MakeTranslator = Callable[[Context], Translator]
@@ -204,8 +205,7 @@ class Gateway:
             headers = tracing.backend_headers(run.trace, call.model.id, backend.url)
             sent = time.monotonic()
             try:
-                return await self.upstream.post(backend, call.path, body, stream=run.streamed,
-                                                deadline=run.deadline, headers=headers)
+                return await self.upstream.post(backend, call.path, body, stream=run.streamed, headers=headers)
             finally:
                 run.backend_s += time.monotonic() - sent
 
@@ -219,7 +219,7 @@ class Gateway:
                 with Deadline(run.deadline - time.monotonic()):
                     raw = await self._fetch(run)
         except TimeoutError:
-            raise errors.timeout("The request took longer than the gateway's time limit.") from None
+            raise errors.timeout(REQUEST_TIMEOUT) from None
         if guard.fired:
             run.outcome = Outcome.CANCELLED
             await self._meter(run, status="cancelled", cancelled=True)
@@ -272,9 +272,14 @@ class Gateway:
         resp: aiohttp.ClientResponse | None = None
         left = True  # the client went away (this task was cancelled) unless we learn otherwise
         try:
-            resp = await self._send(run)
-            await out.start()
-            if not await self._relay(run, resp, out.write):
+            try:
+                with Deadline(run.deadline - time.monotonic()):  # one timer for the whole stream
+                    resp = await self._send(run)
+                    await out.start()
+                    finished = await self._forward(run, resp, out.write)
+            except TimeoutError:
+                raise errors.timeout(REQUEST_TIMEOUT) from None
+            if not finished:
                 raise errors.bad_gateway("The model backend ended the stream early.")
             left = False
             event, usage = await self._meter(run)
@@ -303,15 +308,8 @@ class Gateway:
             if left:  # bill what was generated, off the response path but tracked
                 self.spawn(self._cut(run))
 
-    async def _relay(self, run: _Run, resp: aiohttp.ClientResponse, write: Write) -> bool:
-        """Forward the stream; True once the translator needs no more of it."""
-        try:
-            with Deadline(run.deadline - time.monotonic()):
-                return await self._forward(run, resp, write)
-        except TimeoutError:
-            raise errors.timeout("The request took longer than the gateway's time limit.") from None
-
     async def _forward(self, run: _Run, resp: aiohttp.ClientResponse, write: Write) -> bool:
+        """Forward the stream; True once the translator needs no more of it."""
         tr, ticket = run.tr, run.ticket
         waiting = time.monotonic()
         async for batch in self.upstream.events(resp):

@@ -11,8 +11,9 @@ SGLang and llama.cpp use (`upstream_error`).
 Each backend has its own connection pool (sized to its `max_in_flight`, so a
 busy backend cannot starve the others) and its own timeouts
 (catalog.Timeouts): connecting, and for streams the silence between two reads;
-the router bounds the wait for a stream's headers. Every call is also bounded
-by the request's overall deadline, so no path can outlive it. Health checks
+the router bounds the wait for a stream's headers. The pipeline bounds every
+call by the request's overall deadline (one timer for the whole request: an
+aiohttp `total` timeout would be a second one), so no path can outlive it. Health checks
 and tokenizer calls go through a small pool of their own, so they still get
 through when a backend's pool is full.
 """
@@ -20,15 +21,15 @@ through when a backend's pool is full.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
-import time
 from dataclasses import dataclass
 from typing import AsyncIterator
 
 import aiohttp
 import orjson
 
-from kiln.catalog import Backend
+from kiln.catalog import Backend, Timeouts
 from kiln.core import errors
 from kiln.core.errors import GatewayError
 
@@ -45,6 +46,13 @@ FAILOVER_STATUSES = (502, 503, 504)
 class Limits:
     max_body_bytes: int = 64 * 1024 * 1024  # a JSON answer
     max_event_bytes: int = 8 * 1024 * 1024  # one SSE event
+
+
+@functools.lru_cache(maxsize=256)
+def _client_timeout(t: Timeouts, stream: bool) -> aiohttp.ClientTimeout:
+    """A backend's timeouts as aiohttp's (one object per backend, not one per request): the
+    connection, and for streams the silence between two reads."""
+    return aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_s if stream else None)
 
 
 class Upstream:
@@ -70,19 +78,16 @@ class Upstream:
             pool = self._pools[backend] = _session(connector)
         return pool
 
-    async def post(self, backend: Backend, path: str, body: bytes, *, stream: bool, deadline: float,
+    async def post(self, backend: Backend, path: str, body: bytes, *, stream: bool,
                    headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
         """POST and return once a 200's headers are in; any failure as a GatewayError.
 
-        `deadline` is a time.monotonic() value the whole exchange must end by;
-        `headers` go with the request (trace context).
+        `headers` go with the request (trace context). The caller bounds the whole exchange.
         """
         headers = {"Content-Type": "application/json", **(headers or {})}
         if backend.api_key:
             headers["Authorization"] = f"Bearer {backend.api_key}"
-        t = backend.timeouts
-        timeout = aiohttp.ClientTimeout(total=_left(deadline), sock_connect=t.connect_s,
-                                        sock_read=t.idle_s if stream else None)
+        timeout = _client_timeout(backend.timeouts, stream)
         try:
             resp = await self._pool(backend).post(backend.url + path, data=body, headers=headers, timeout=timeout)
         except (aiohttp.ClientConnectorError, aiohttp.ClientProxyConnectionError) as exc:
@@ -258,8 +263,6 @@ def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
                                  auto_decompress=True, skip_auto_headers=("User-Agent",))
 
 
-def _left(deadline: float) -> float:
-    return max(deadline - time.monotonic(), 0.001)
 
 
 def unreachable(exc: BaseException) -> GatewayError:
