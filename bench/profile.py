@@ -7,6 +7,7 @@ speedscope it also prints the functions with the most samples, own and inclusive
 
     .venv/bin/python bench/profile.py --protocol messages --workload stream --concurrency 64
     .venv/bin/python bench/profile.py --protocol responses --workload long --tokens 32768 --format flamegraph
+    .venv/bin/python bench/profile.py --target bare     # the bare proxy under the same load, to compare
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from load import ensure_wrk, run_aiohttp, run_wrk
 from measure import Bench, prepare
-from servers import START_NOFILE, BenchError, cpus_for, create_tenant, start_kiln, start_sim
+from servers import START_NOFILE, BenchError, cpus_for, create_tenant, start_bare, start_kiln, start_sim
 from workloads import PROTOCOLS, agent, make
 
 
@@ -43,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--native", action="store_true", help="include C frames (py-spy --native)")
     p.add_argument("--gil", action="store_true", help="only samples holding the GIL (py-spy --gil)")
     p.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
+    p.add_argument("--target", choices=("kiln", "bare"), default="kiln",
+                   help="the process to sample: Kiln, or the bare proxy (bench/bare_proxy.py) on the same load")
     p.add_argument("--top", type=int, default=20, help="functions to list (speedscope only; default 20)")
     p.add_argument("--no-pin", action="store_true")
     a = p.parse_args()
@@ -96,20 +99,23 @@ def main() -> int:
         sim = start_sim(stack, tmp, load_cpu)
         kiln = start_kiln(stack, tmp, sim.url, gw_cpu, a.server, START_NOFILE)
         _, key = create_tenant(kiln)
-        b = Bench({"direct": sim, "kiln": kiln}, key, run_wrk if wrk else run_aiohttp, load_cpu, a.duration, 0)
+        servers = {"direct": sim, "kiln": kiln}
+        if a.target == "bare":  # Kiln stays up, idle: its upstream call is the bare proxy's request
+            servers["bare"] = start_bare(stack, tmp, sim.url, gw_cpu, a.server, START_NOFILE)
+        b = Bench(servers, key, run_wrk if wrk else run_aiohttp, load_cpu, a.duration, 0)
         if a.workload == "agent":
             w = agent(a.protocol)
         elif a.workload == "long":
             w = make(a.protocol, f"long-{a.tokens}", True, tokens=a.tokens)
         else:
             w = make(a.protocol, a.workload, a.workload == "stream")
-        load = prepare(b, w, ["kiln"])["kiln"]
+        load = prepare(b, w, [a.target])[a.target]
         assert not isinstance(load, str)
         b.run(load, a.concurrency, 1.0, load_cpu)  # warm up
         result: dict[str, object] = {}
         driver = threading.Thread(target=lambda: result.update(r=b.run(load, a.concurrency, a.duration + 2, load_cpu)))
         driver.start()
-        cmd = [spy, "record", "--pid", str(kiln.proc.pid), "--duration", str(round(a.duration)), "--rate",
+        cmd = [spy, "record", "--pid", str(servers[a.target].proc.pid), "--duration", str(round(a.duration)), "--rate",
                str(a.rate), "--format", a.format, "--output", str(out)]
         cmd += ["--subprocesses"] if a.server == "granian" else []
         cmd += ["--native"] if a.native else []
@@ -119,7 +125,7 @@ def main() -> int:
         if spied.returncode != 0 or not out.exists():
             raise BenchError(f"py-spy failed ({spied.returncode}): {spied.stdout}{spied.stderr}")
     res = result.get("r")
-    print(f"profile of Kiln ({a.server}) under {w.key} at c={a.concurrency}: {out}")
+    print(f"profile of {'Kiln' if a.target == 'kiln' else 'the bare proxy'} ({a.server}) under {w.key} at c={a.concurrency}: {out}")
     if res is not None:
         print(f"load: {res.rps:,.0f} rps, p50 {res.p50_ms:.2f} ms, {res.errors} errors; {pin_note}")  # type: ignore[attr-defined]
     if a.format == "speedscope":
