@@ -425,22 +425,22 @@ def test_client_disconnect_cancels_upstream_and_bills_what_was_generated(tenant:
 def test_a_keepalive_due_at_a_tick_is_dropped_if_the_stream_writes_first() -> None:
     """The keepalive timer decides at its tick and writes from a task a turn of the loop later;
     a chunk written in between makes that keepalive moot (it would land between two chunks)."""
-    from kiln.http import _Keepalive
+    from kiln.http import StreamOut
 
-    async def run() -> list[str]:
-        beats: list[str] = []
-        last = [time.monotonic() - 1.0]  # silent for a second: a beat is due
+    async def run() -> list[dict[str, object]]:
+        sent: list[dict[str, object]] = []
 
-        async def beat() -> None:
-            beats.append("keepalive")
+        async def send(message: dict[str, object]) -> None:
+            sent.append(message)
 
-        keeper = _Keepalive(0.5, lambda: last[0], beat)
-        keeper._tick()  # the timer fires: due, so a beat task is scheduled
-        last[0] = time.monotonic()  # the stream writes a chunk in the same turn
+        out = StreamOut(send, [], lambda: b": keepalive\n\n", 0.5)
+        out.last = time.monotonic() - 1.0  # silent for a second: a beat is due
+        out._tick()  # the timer fires: due, so a beat task is scheduled
+        out.last = time.monotonic()  # the stream writes a chunk in the same turn
         for _ in range(3):
             await asyncio.sleep(0)
-        await keeper.stop()
-        return beats
+        await out.close()
+        return sent
 
     assert asyncio.run(run()) == []
 

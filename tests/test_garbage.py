@@ -1,0 +1,61 @@
+"""The gateway leaves the garbage collector little to do: a finished stream is freed by reference
+counting, with no cycle left for the collector."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from typing import Any
+
+from kiln.http import DISCONNECT, Disconnect, StreamOut, StreamResponse
+
+
+class _Held:
+    """Stands for what a stream's callbacks reach (the pipeline's run: translator, usage, ticket)."""
+
+
+def _finished_stream_leaves(keepalive_s: float, frames: int) -> tuple[bool, int]:
+    """Run one StreamResponse to its end with the collector off; (is what its callbacks held
+    still alive, how many messages were sent)."""
+    sent: list[dict[str, Any]] = []
+
+    async def run() -> weakref.ref[_Held]:
+        held = _Held()
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            await asyncio.Event().wait()
+            return {"type": "http.disconnect"}
+
+        async def produce(out: StreamOut, h: _Held = held) -> bytes:
+            for _ in range(frames):
+                await out.write(b"data: {}\n\n")
+                await asyncio.sleep(keepalive_s * 1.5 if frames == 1 else 0)  # a keepalive or two meanwhile
+            return b"data: [DONE]\n\n"
+
+        response = StreamResponse(produce, {"X-Test": "1"}, lambda h=held: b": keepalive\n\n", keepalive_s)
+        await response({"type": "http", DISCONNECT: Disconnect()}, receive, send)
+        return weakref.ref(held)
+
+    gc.collect()
+    gc.disable()
+    try:
+        alive = asyncio.run(run())() is not None
+    finally:
+        gc.enable()
+    return alive, len(sent)
+
+
+def test_a_finished_stream_is_freed_without_the_collector() -> None:
+    alive, sent = _finished_stream_leaves(keepalive_s=60.0, frames=20)
+    assert sent == 22  # the start, 20 frames, the end
+    assert not alive, "a finished stream's objects wait in a reference cycle for the garbage collector"
+
+
+def test_a_stream_that_sent_keepalives_is_freed_too() -> None:
+    alive, sent = _finished_stream_leaves(keepalive_s=0.05, frames=1)
+    assert sent >= 4  # the start, the frame, at least one keepalive, the end
+    assert not alive, "a stream with a keepalive task is left in a reference cycle"
