@@ -15,12 +15,15 @@ from typing import Any
 
 from kiln import config
 from kiln.app import create_app
+from kiln.server import collect_garbage_less_often
 
 
 def app() -> Any:
     """The gateway's ASGI app (a factory: Granian calls it in its worker process)."""
     settings = config.load(os.environ["KILN_CONFIG"])
-    return create_app(settings, catalog=config.build_catalog(settings))
+    app = create_app(settings, catalog=config.build_catalog(settings))
+    collect_garbage_less_often()  # as `kiln serve` does once it has started
+    return app
 
 
 def main() -> None:

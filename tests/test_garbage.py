@@ -1,10 +1,13 @@
-"""The gateway leaves the garbage collector little to do: a finished stream is freed by reference
-counting, with no cycle left for the collector."""
+"""The gateway leaves the garbage collector little to do (kiln.server.collect_garbage_less_often):
+what startup built is frozen, the young generation is collected after 10,000 net allocations,
+and a finished stream is freed by reference counting, with no cycle left for the collector."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import weakref
 from typing import Any
 
@@ -59,3 +62,11 @@ def test_a_stream_that_sent_keepalives_is_freed_too() -> None:
     alive, sent = _finished_stream_leaves(keepalive_s=0.05, frames=1)
     assert sent >= 4  # the start, the frame, at least one keepalive, the end
     assert not alive, "a stream with a keepalive task is left in a reference cycle"
+
+
+def test_startup_objects_are_frozen_and_young_collections_are_rare() -> None:
+    code = ("import gc; from kiln.server import collect_garbage_less_often as c, GC_YOUNG_THRESHOLD as t; "
+            "before = gc.get_threshold(); c(); print(gc.get_freeze_count() > 1000, gc.get_threshold()[0] == t, "
+            "gc.get_threshold()[1:] == before[1:])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True", "True"]
