@@ -201,8 +201,7 @@ class StreamOut:
     stream holds less, and nothing in it forms a reference cycle, so a finished stream is freed
     at once by reference counting instead of waiting for (and costing) the garbage collector."""
 
-    __slots__ = ("send", "headers", "started", "last", "keepalive", "every_s", "loop", "timer", "beating",
-                 "__weakref__")
+    __slots__ = ("send", "headers", "started", "last", "keepalive", "every_s", "loop", "timer", "beating")
 
     def __init__(self, send: Send, headers: list[tuple[bytes, bytes]], keepalive: Callable[[], bytes],
                  keepalive_s: float) -> None:
