@@ -18,9 +18,9 @@ class _Held:
     """Stands for what a stream's callbacks reach (the pipeline's run: translator, usage, ticket)."""
 
 
-def _finished_stream_leaves(keepalive_s: float, frames: int) -> tuple[bool, int]:
-    """Run one StreamResponse to its end with the collector off; (is what its callbacks held
-    still alive, how many messages were sent)."""
+def _finished_stream_leaves(keepalive_s: float, frames: int, pause_s: float = 0.0) -> tuple[bool, int]:
+    """Run one StreamResponse to its end with the collector off, waiting `pause_s` after each
+    frame; (is what its callbacks held still alive, how many messages were sent)."""
     sent: list[dict[str, Any]] = []
 
     async def run() -> weakref.ref[_Held]:
@@ -36,7 +36,7 @@ def _finished_stream_leaves(keepalive_s: float, frames: int) -> tuple[bool, int]
         async def produce(out: StreamOut, h: _Held = held) -> bytes:
             for _ in range(frames):
                 await out.write(b"data: {}\n\n")
-                await asyncio.sleep(keepalive_s * 1.5 if frames == 1 else 0)  # a keepalive or two meanwhile
+                await asyncio.sleep(pause_s)
             return b"data: [DONE]\n\n"
 
         response = StreamResponse(produce, {"X-Test": "1"}, lambda h=held: b": keepalive\n\n", keepalive_s)
@@ -59,7 +59,7 @@ def test_a_finished_stream_is_freed_without_the_collector() -> None:
 
 
 def test_a_stream_that_sent_keepalives_is_freed_too() -> None:
-    alive, sent = _finished_stream_leaves(keepalive_s=0.05, frames=1)
+    alive, sent = _finished_stream_leaves(keepalive_s=0.05, frames=1, pause_s=0.075)  # a keepalive meanwhile
     assert sent >= 4  # the start, the frame, at least one keepalive, the end
     assert not alive, "a stream with a keepalive task is left in a reference cycle"
 

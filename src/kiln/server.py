@@ -231,9 +231,9 @@ def collect_garbage_less_often(young: int = GC_YOUNG_THRESHOLD) -> None:
     With the default, at c=64, the requests in flight hold more than 700 objects at any time, so
     the collector ran 190 times a second over them and, every second or so, a full collection
     walked the 58,000 objects startup left (31 ms each, a pause every request in flight waits out):
-    11% of the gateway's time; chat JSON went from 2,096 to 2,608 rps with this. A request's objects die by
-    reference counting, so the net count seldom reaches the threshold; cyclic garbage is still
-    collected, and what waits for it is bounded by the threshold."""
+    11% of the gateway's time; chat JSON went from 2,096 to 2,608 rps with this. A request's
+    objects die by reference counting, so the net count seldom reaches the threshold; cyclic
+    garbage is still collected, and what waits for it is bounded by the threshold."""
     gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()

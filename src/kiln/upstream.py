@@ -13,9 +13,9 @@ busy backend cannot starve the others) and its own timeouts
 (catalog.Timeouts): connecting, and for streams the silence between two reads;
 the router bounds the wait for a stream's headers. The pipeline bounds every
 call by the request's overall deadline (one timer for the whole request: an
-aiohttp `total` timeout would be a second one), so no path can outlive it. Health checks
-and tokenizer calls go through a small pool of their own, so they still get
-through when a backend's pool is full.
+aiohttp `total` timeout would be a second one), so no path can outlive it.
+Health checks and tokenizer calls go through a small pool of their own, so
+they still get through when a backend's pool is full.
 """
 
 from __future__ import annotations
@@ -261,8 +261,6 @@ class SSEParser:
 def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
                                  auto_decompress=True, skip_auto_headers=("User-Agent",))
-
-
 
 
 def unreachable(exc: BaseException) -> GatewayError:
