@@ -235,7 +235,6 @@ def create_app(
                                  on_metrics=metrics.record_ledger_commit)  # store, accounts, admission, ledger
         client = upstream or Upstream(Limits(max_body_bytes=settings.max_upstream_body_bytes,
                                              max_event_bytes=settings.max_upstream_event_bytes))
-        await client.start()
         router = Router(catalog, client, settings.routing, settings.backend_retry_s)
         await router.probe_all()
         await router.start()

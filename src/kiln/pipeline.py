@@ -26,12 +26,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import aiohttp
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from kiln import access_log, backends, metrics, observe, tracing
+from kiln import access_log, backends, client, metrics, observe, tracing
 from kiln.assemble import assemble
 from kiln.affinity import affinity_key
 from kiln.catalog import Backend, Catalog
@@ -195,11 +194,11 @@ class Gateway:
 
     # -- calling the backend ------------------------------------------------
 
-    async def _send(self, run: _Run) -> aiohttp.ClientResponse:
+    async def _send(self, run: _Run) -> client.Response:
         """POST to a backend the router chooses; it fails over before the first byte."""
         call = run.call
 
-        async def post(backend: Backend) -> aiohttp.ClientResponse:
+        async def post(backend: Backend) -> client.Response:
             run.backend = backend
             body, run.streamed = _prepared(call, backend)
             headers = tracing.backend_headers(run.trace, call.model.id, backend.url)
@@ -269,7 +268,7 @@ class Gateway:
         If the backend takes longer than a keepalive interval to answer, the 200 goes out
         with a keepalive meanwhile, and its refusal then comes in the stream."""
         tr = run.tr
-        resp: aiohttp.ClientResponse | None = None
+        resp: client.Response | None = None
         left = True  # the client went away (this task was cancelled) unless we learn otherwise
         try:
             try:
@@ -308,7 +307,7 @@ class Gateway:
             if left:  # bill what was generated, off the response path but tracked
                 self.spawn(self._cut(run))
 
-    async def _forward(self, run: _Run, resp: aiohttp.ClientResponse, write: Write) -> bool:
+    async def _forward(self, run: _Run, resp: client.Response, write: Write) -> bool:
         """Forward the stream; True once the translator needs no more of it."""
         tr, ticket = run.tr, run.ticket
         waiting = time.monotonic()

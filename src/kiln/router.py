@@ -30,11 +30,10 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
-from aiohttp import ClientResponse
-
 from kiln import backends
 from kiln.affinity import Ring
 from kiln.catalog import Backend, Catalog, Model
+from kiln.client import Response
 from kiln.config import Routing
 from kiln.core import errors
 from kiln.core.errors import GatewayError
@@ -189,8 +188,8 @@ class Router:
 
     # -- sending, with failover ------------------------------------------------------
 
-    async def send(self, model: Model, affinity: str | None, post: Callable[[Backend], Awaitable[ClientResponse]],
-                   stream: bool) -> tuple[ClientResponse, Lease]:
+    async def send(self, model: Model, affinity: str | None, post: Callable[[Backend], Awaitable[Response]],
+                   stream: bool) -> tuple[Response, Lease]:
         """`post(backend)` on a chosen backend until one answers 200; the response and its lease.
 
         Before any byte reaches the client, a failure that says another
@@ -221,8 +220,8 @@ class Router:
             raise errors.unavailable(f"No backend for model '{model.id}' is available right now. Retry later.")
         raise last
 
-    async def _attempt(self, lease: Lease, post: Callable[[Backend], Awaitable[ClientResponse]],
-                       stream: bool) -> ClientResponse:
+    async def _attempt(self, lease: Lease, post: Callable[[Backend], Awaitable[Response]],
+                       stream: bool) -> Response:
         """One try: the 200's response, or the GatewayError (its `failover` says whether another
         backend may do better); the lease is released on failure with what it says of the backend."""
         backend = lease.backend

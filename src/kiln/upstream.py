@@ -1,35 +1,35 @@
-"""The pooled HTTP client to model servers: the one place where transport meets the gateway.
+"""Calls to model servers: the one place where transport meets the gateway.
 
-aiohttp with one keep-alive connector (the measured difference to httpx on
-this path is an order of magnitude). Every way a backend can fail is turned
-into a GatewayError here, once, so nothing above this module ever sees an
-aiohttp exception: refused connections (`failover`: nothing reached the
-model, another backend may take it), timeouts (504), dropped connections
-and oversized answers (502), and error statuses in the three shapes vLLM,
-SGLang and llama.cpp use (`upstream_error`).
+Everything goes through kiln.client (HTTP/1.1 on kept-alive connections):
+requests through one pool per backend, health checks and tokenizer calls
+through a small pool of their own per server, so they still get through when
+a backend's pool is full. Every way a
+backend can fail is turned into a GatewayError here, once, so nothing above
+this module sees a transport's exception: refused connections (`failover`:
+nothing reached the model, another backend may take it), timeouts (504),
+dropped connections and oversized answers (502), and error statuses in the
+three shapes vLLM, SGLang and llama.cpp use (`upstream_error`).
 
 Each backend has its own connection pool (sized to its `max_in_flight`, so a
 busy backend cannot starve the others) and its own timeouts
 (catalog.Timeouts): connecting, and for streams the silence between two reads;
 the router bounds the wait for a stream's headers. The pipeline bounds every
-call by the request's overall deadline (one timer for the whole request: an
-aiohttp `total` timeout would be a second one), so no path can outlive it.
-Health checks and tokenizer calls go through a small pool of their own, so
-they still get through when a backend's pool is full.
+call by the request's overall deadline (one timer for the whole request), so
+no path can outlive it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import functools
 import re
 from dataclasses import dataclass
 from typing import AsyncIterator
+from urllib.parse import urlsplit
 
-import aiohttp
 import orjson
 
-from kiln.catalog import Backend, Timeouts
+from kiln import client
+from kiln.catalog import Backend
 from kiln.core import errors
 from kiln.core.errors import GatewayError
 
@@ -40,6 +40,8 @@ _OVERFLOW = re.compile(
 _TOKENS_IN_MESSAGE = re.compile(r"(\d+) input tokens|input \((\d+) tokens\)|request \((\d+) tokens\)")
 _ERROR_BODY_BYTES = 64 * 1024  # what is read of an error answer
 FAILOVER_STATUSES = (502, 503, 504)
+_SIDE_CONNECTIONS = 4  # per server, beside its requests' pool
+_BROKEN = (TimeoutError, client.BrokenAnswer, OSError)  # what the client raises once connected
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,79 +50,66 @@ class Limits:
     max_event_bytes: int = 8 * 1024 * 1024  # one SSE event
 
 
-@functools.lru_cache(maxsize=256)
-def _client_timeout(t: Timeouts, stream: bool) -> aiohttp.ClientTimeout:
-    """A backend's timeouts as aiohttp's (one object per backend, not one per request): the
-    connection, and for streams the silence between two reads."""
-    return aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_s if stream else None)
-
-
 class Upstream:
     def __init__(self, limits: Limits = Limits()) -> None:
         self.limits = limits
-        self.session: aiohttp.ClientSession | None = None  # health checks, tokenizers
-        self._pools: dict[Backend, aiohttp.ClientSession] = {}
-
-    async def start(self) -> None:
-        self.session = _session(aiohttp.TCPConnector(limit=64, keepalive_timeout=60, ttl_dns_cache=300))
+        self._pools: dict[Backend, client.Pool] = {}  # requests: one pool per backend
+        self._side: dict[str, client.Pool] = {}  # health checks, tokenizers: one small pool per server
 
     async def close(self) -> None:
-        sessions = [*([self.session] if self.session else []), *self._pools.values()]
-        self.session = None
+        for pool in [*self._pools.values(), *self._side.values()]:
+            pool.close()
         self._pools.clear()
-        for session in sessions:
-            await session.close()
+        self._side.clear()
 
-    def _pool(self, backend: Backend) -> aiohttp.ClientSession:
+    def _pool(self, backend: Backend) -> client.Pool:
         pool = self._pools.get(backend)
         if pool is None:
-            connector = aiohttp.TCPConnector(limit=backend.max_in_flight, keepalive_timeout=60, ttl_dns_cache=300)
-            pool = self._pools[backend] = _session(connector)
+            pool = self._pools[backend] = client.Pool(backend.url, backend.max_in_flight, backend.timeouts.connect_s)
         return pool
 
     async def post(self, backend: Backend, path: str, body: bytes, *, stream: bool,
-                   headers: dict[str, str] | None = None) -> aiohttp.ClientResponse:
+                   headers: dict[str, str] | None = None) -> client.Response:
         """POST and return once a 200's headers are in; any failure as a GatewayError.
 
-        `headers` go with the request (trace context). The caller bounds the whole exchange.
+        `headers` go with the request (trace context). The caller bounds the whole exchange;
+        a stream's every wait for bytes is bounded by the backend's idle timeout.
         """
-        headers = {"Content-Type": "application/json", **(headers or {})}
+        sent = {"Content-Type": "application/json", **(headers or {})}
         if backend.api_key:
-            headers["Authorization"] = f"Bearer {backend.api_key}"
-        timeout = _client_timeout(backend.timeouts, stream)
+            sent["Authorization"] = f"Bearer {backend.api_key}"
         try:
-            resp = await self._pool(backend).post(backend.url + path, data=body, headers=headers, timeout=timeout)
-        except (aiohttp.ClientConnectorError, aiohttp.ClientProxyConnectionError) as exc:
+            resp = await self._pool(backend).request("POST", path, sent, body,
+                                                     backend.timeouts.idle_s if stream else None)
+        except client.ConnectFailed as exc:
             raise unreachable(exc) from None
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except _BROKEN as exc:
             raise _mapped(exc, "before answering") from None
         if resp.status != 200:
             try:
-                raw = await resp.content.read(_ERROR_BODY_BYTES)
-            except (TimeoutError, aiohttp.ClientError, OSError):
+                raw = (await resp.read(_ERROR_BODY_BYTES))[:_ERROR_BODY_BYTES]
+            except _BROKEN:
                 raw = b""
-            finally:
-                resp.release()
             raise upstream_error(resp.status, raw)
         return resp
 
-    async def read(self, resp: aiohttp.ClientResponse) -> bytes:
+    async def read(self, resp: client.Response) -> bytes:
         """A JSON answer's body, at most `max_body_bytes` of it."""
         limit = self.limits.max_body_bytes
         declared = resp.content_length
         try:
             if declared is not None and declared > limit:
                 raise _too_large(limit)
-            raw = await resp.content.read(limit + 1)
-            if len(raw) > limit:
-                raise _too_large(limit)
-            return raw
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+            raw = await resp.read(limit)
+        except _BROKEN as exc:
             raise _mapped(exc, "mid-response") from None
         finally:
-            resp.release()
+            resp.close()
+        if len(raw) > limit:
+            raise _too_large(limit)
+        return raw
 
-    async def events(self, resp: aiohttp.ClientResponse) -> AsyncIterator[list[bytes]]:
+    async def events(self, resp: client.Response) -> AsyncIterator[list[bytes]]:
         """The `data:` payloads of an SSE answer, raw, one list per network read.
 
         Batching by read lets the caller answer with one write for everything
@@ -131,19 +120,12 @@ class Upstream:
         and one event longer than `max_event_bytes` ends the stream (502).
         """
         parser = SSEParser(self.limits.max_event_bytes)
-        content = resp.content
         try:
-            async for piece in content.iter_any():
+            while piece := await resp.piece():
                 events = parser.feed(piece)
                 if events:
                     yield events
-        except aiohttp.ClientPayloadError as exc:
-            # aiohttp raises before handing out what it had buffered; take it first.
-            events = parser.feed(b"".join(getattr(content, "_buffer", ())))
-            if events:
-                yield events
-            raise _mapped(exc, "mid-stream") from None
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except _BROKEN as exc:
             raise _mapped(exc, "mid-stream") from None
         events = parser.feed(b"\n\n")
         if events:
@@ -151,18 +133,15 @@ class Upstream:
 
     async def post_json(self, backend: Backend, url: str, payload: object, timeout_s: float = 10.0) -> object:
         """A small side call (a tokenizer): the parsed JSON answer, or a GatewayError."""
-        assert self.session is not None
-        headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None
         try:
-            async with self.session.post(url, data=orjson.dumps(payload), headers=headers,
-                                         timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                raw = await resp.content.read(self.limits.max_body_bytes)
-                if resp.status != 200:
-                    raise upstream_error(resp.status, raw)
-        except (aiohttp.ClientConnectorError, aiohttp.ClientProxyConnectionError) as exc:
+            status, raw = await self._side_call(backend, "POST", url, orjson.dumps(payload), timeout_s,
+                                                self.limits.max_body_bytes)
+        except client.ConnectFailed as exc:
             raise unreachable(exc) from None
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
+        except _BROKEN as exc:
             raise _mapped(exc, "before answering") from None
+        if status != 200:
+            raise upstream_error(status, raw)
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -170,13 +149,10 @@ class Upstream:
 
     async def get_json(self, backend: Backend, url: str, timeout_s: float = 5.0) -> object:
         """A small GET (what kind of server it is): the parsed JSON answer of a 200, else None."""
-        assert self.session is not None
-        headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None
         try:
-            async with self.session.get(url, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                raw = await resp.content.read(_ERROR_BODY_BYTES)
-                return orjson.loads(raw) if resp.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, OSError, orjson.JSONDecodeError):
+            status, raw = await self._side_call(backend, "GET", url, b"", timeout_s, _ERROR_BODY_BYTES)
+            return orjson.loads(raw) if status == 200 else None
+        except (client.ConnectFailed, *_BROKEN, orjson.JSONDecodeError):
             return None
 
     async def probe(self, backend: Backend, timeout_s: float = 5.0) -> tuple[str | None, bool]:
@@ -186,26 +162,37 @@ class Upstream:
         server could not be reached at all. vLLM's /health fails when its
         engine is dead while /v1/models still answers, so only a 404 falls back.
         """
-        assert self.session is not None
-        headers = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None
         status = 0
         for url in (backend.url.removesuffix("/v1") + "/health", backend.url + "/models"):
             try:
-                async with self.session.get(url, headers=headers,
-                                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
-                    await resp.read()
-                    status = resp.status
-            except aiohttp.ClientConnectorError as exc:
-                return f"unreachable: {exc.os_error or exc}", True
+                status, _ = await self._side_call(backend, "GET", url, b"", timeout_s, _ERROR_BODY_BYTES)
+            except client.ConnectFailed as exc:
+                return f"unreachable: {exc}", True
             except TimeoutError:
                 return f"no answer within {timeout_s:g} s", False
-            except (aiohttp.ClientError, OSError) as exc:
-                return type(exc).__name__, False
+            except (client.BrokenAnswer, OSError) as exc:
+                return f"{type(exc).__name__}: {exc}", False
             if status < 300:
                 return None, False
             if status not in (404, 405):
                 break
         return f"HTTP {status}", False
+
+    async def _side_call(self, backend: Backend, method: str, url: str, body: bytes, timeout_s: float,
+                         limit: int) -> tuple[int, bytes]:
+        """An answer's status and body (its first `limit` bytes), all within `timeout_s`."""
+        parts = urlsplit(url)
+        origin = f"{parts.scheme}://{parts.netloc}"
+        pool = self._side.get(origin)
+        if pool is None:
+            pool = self._side[origin] = client.Pool(origin, _SIDE_CONNECTIONS, backend.timeouts.connect_s)
+        headers = {"Content-Type": "application/json"} if body else {}
+        if backend.api_key:
+            headers["Authorization"] = f"Bearer {backend.api_key}"
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        async with asyncio.timeout(timeout_s):
+            resp = await pool.request(method, path, headers, body)
+            return resp.status, (await resp.read(limit))[:limit]
 
 
 class SSEParser:
@@ -256,11 +243,6 @@ class SSEParser:
             start = end + 2
         self._buf = bytearray(text[start:])
         return out
-
-
-def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None),
-                                 auto_decompress=True, skip_auto_headers=("User-Agent",))
 
 
 def unreachable(exc: BaseException) -> GatewayError:

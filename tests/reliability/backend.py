@@ -15,6 +15,7 @@ chat, completions, responses, messages). Without one, a well-behaved answer.
     garbage_mid      stream: DELIVERED token chunks, then a data line that is not JSON
     huge_line        stream: one SSE line of HUGE_BYTES, no newline until its end
     huge_json        JSON: a valid body of HUGE_BYTES (one long content string)
+    big_json         JSON: a valid body of BIG_BYTES, far more than one network read
     negative_usage   a normal answer whose usage says -1,000,000 prompt and completion tokens
     absurd_usage     a normal answer whose usage says 10^19 completion tokens (> 2^63 nanodollars)
     multi            every output the request allows, each to its max_tokens: n per prompt (chat: n),
@@ -45,6 +46,7 @@ SLOW_S = 2.0
 HANG_S = 8.0
 TRICKLE_S = 0.001
 HUGE_BYTES = 32 * 1024 * 1024
+BIG_BYTES = 4 * 1024 * 1024  # under the suite's gateway's limit (MAX_BODY_BYTES in conftest)
 _FAULT = re.compile(rb"fault=([a-z_0-9]+)")
 
 
@@ -99,6 +101,8 @@ def json_body(chat: bool, model: str, fault: str, tokens: int) -> bytes:
     text = "".join(f"tok{i} " for i in range(tokens))
     if fault == "huge_json":
         text = "x" * HUGE_BYTES
+    elif fault == "big_json":
+        text = "y" * BIG_BYTES
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
                                   "logprobs": None, "finish_reason": "stop"}

@@ -18,6 +18,7 @@ from reliability.harness import OBSERVATIONS
 
 HERE = Path(__file__).parent
 REQUEST_TIMEOUT_S = 3  # the gateway's overall deadline in the fault tests
+MAX_BODY_BYTES = 16 * 1024 * 1024  # the largest JSON answer the gateway takes from a backend here
 ADV_MODEL = "adv"
 
 
@@ -56,6 +57,7 @@ def adv_toml(url: str, extra_server: str = "") -> str:
 [server]
 keepalive_s = 0.5
 backend_retry_s = 1
+max_upstream_body_bytes = {MAX_BODY_BYTES}
 request_timeout_s = {REQUEST_TIMEOUT_S}
 {extra_server}
 

@@ -18,11 +18,12 @@ import time
 from decimal import Decimal
 from typing import Any, Iterator
 
+import orjson
 import pytest
 
 from conftest import Gateway, Tenant, start_gateway, stop
-from reliability.backend import DELIVERED, PROMPT_TOKENS, REPLY_TOKENS
-from reliability.conftest import ADV_MODEL, REQUEST_TIMEOUT_S, Backend, adv_toml
+from reliability.backend import BIG_BYTES, DELIVERED, PROMPT_TOKENS, REPLY_TOKENS
+from reliability.conftest import ADV_MODEL, MAX_BODY_BYTES, REQUEST_TIMEOUT_S, Backend, adv_toml
 from reliability.harness import Answer, Books, assert_nothing_leaked, assert_protocol_error, body_for, observe, send, settle
 
 BOUND_S = REQUEST_TIMEOUT_S + 3.0  # the deadline, plus slack for a loaded machine
@@ -178,8 +179,18 @@ def test_huge_sse_line_is_refused_quickly(t: Tenant) -> None:
 def test_huge_json_body_is_refused(t: Tenant) -> None:
     answer, books = run(t, "huge_json", "chat", stream=False, timeout=60)
     assert_protocol_error(answer, 502)
+    assert f"larger than {MAX_BODY_BYTES} bytes" in answer.raw.decode(), answer.summary()
     assert answer.seconds <= BOUND_S, answer.summary()
     assert_costs_nothing(answer, books)
+
+
+def test_big_json_body_arrives_whole(t: Tenant) -> None:
+    """An answer far larger than one network read, under the limit, reaches the client whole
+    (a body read in one call of the transport came back cut at what had arrived)."""
+    answer, books = run(t, "big_json", "chat", stream=False, timeout=60)
+    assert answer.status == 200, answer.summary()
+    assert orjson.loads(answer.raw)["choices"][0]["message"]["content"] == "y" * BIG_BYTES
+    assert len(books.events) == 1 and books.events[0]["status"] == "ok", books.events
 
 
 # -- the backend lies about usage -----------------------------------------------------------

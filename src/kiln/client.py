@@ -1,0 +1,368 @@
+"""HTTP/1.1 to model servers: the hot path's client, lean.
+
+aiohttp's client spent about 120 µs of CPU on each call here (a URL object,
+multidicts, a cookie jar, trace signals, a timer per read): more than a
+quarter of what the gateway does per request. A model server needs one POST
+with a few headers, on a kept-alive connection, and its answer read whole or
+piece by piece as it arrives. This module is that, on asyncio's Protocol and
+httptools (the parser uvicorn serves with), over plain TCP or TLS.
+
+It raises ConnectFailed (no connection: nothing reached the server),
+TimeoutError (a stream silent for longer than its idle limit) and BrokenAnswer
+(an answer that breaks HTTP, or a connection closed mid-answer); upstream.py
+turns those into the gateway's errors, once. Every other bound (the request's
+deadline) is the caller's: cancelling a call closes its connection, which is
+how a model server learns to stop generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from urllib.parse import urlsplit
+
+import httptools
+
+HIGH_WATER = 256 * 1024  # bytes of a stream held unread before the socket stops being read
+
+
+class ConnectFailed(Exception):
+    """No connection could be made: refused, unresolvable, TLS refused, or too slow."""
+
+
+class BrokenAnswer(Exception):
+    """The server broke HTTP, or closed the connection before its answer was complete."""
+
+
+class _Stale(BrokenAnswer):
+    """A kept-alive connection the server had closed before our request reached it."""
+
+
+class Pool:
+    """The connections to one server: at most `limit` open, the rest of the callers wait in turn.
+
+    Idle connections are reused newest first (the warmest), and dropped once
+    the server closes them or they have idled for `keepalive_s`. A request on
+    a reused connection that the server closes without a byte of answer (its
+    keep-alive ran out as we sent) is sent again, once, on a new connection.
+    """
+
+    def __init__(self, base_url: str, limit: int, connect_s: float, keepalive_s: float = 60.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = parts.port or (443 if self.tls else 80)
+        self.prefix = parts.path.rstrip("/")
+        self.limit = max(limit, 1)
+        self.connect_s = connect_s
+        self.keepalive_s = keepalive_s
+        default_port = self.port == (443 if self.tls else 80)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self._host = (host if default_port else f"{host}:{self.port}").encode()
+        self._ssl = ssl.create_default_context() if self.tls else None
+        self._idle: list[Connection] = []
+        self._open = 0
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._closed = False
+
+    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes,
+                      idle_s: float | None = None) -> Response:
+        """Send, and return once the answer's headers are in. `idle_s` bounds each wait for bytes."""
+        head = self._head(method, path, headers, len(body))
+        conn = await self._acquire(reuse=True)
+        try:
+            return await conn.exchange(head, body, idle_s)
+        except _Stale:
+            pass
+        except BaseException:
+            conn.close()
+            raise
+        conn = await self._acquire(reuse=False)
+        try:
+            return await conn.exchange(head, body, idle_s)
+        except BaseException:
+            conn.close()
+            raise
+
+    def close(self) -> None:
+        self._closed = True
+        for conn in self._idle[:]:
+            conn.close()
+
+    def _head(self, method: str, path: str, headers: dict[str, str], length: int) -> bytes:
+        lines = [f"{method} {self.prefix}{path} HTTP/1.1".encode(), b"Host: " + self._host,
+                 b"Content-Length: " + str(length).encode()]
+        for name, value in headers.items():
+            if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+                raise ValueError(f"a line break in the {name!r} header")
+            lines.append(f"{name}: {value}".encode())
+        lines.append(b"\r\n")
+        return b"\r\n".join(lines)
+
+    async def _acquire(self, reuse: bool) -> Connection:
+        loop = asyncio.get_running_loop()
+        while True:
+            while reuse and self._idle:
+                conn = self._idle.pop()
+                if conn.transport is not None and loop.time() - conn.idle_since < self.keepalive_s:
+                    return conn
+                conn.close()
+            if self._open < self.limit:
+                self._open += 1
+                try:
+                    return await self._connect(loop)
+                except BaseException:
+                    self._open -= 1
+                    self._wake()
+                    raise
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake()  # our turn came as we were cancelled: pass it on
+                else:
+                    self._waiters.remove(waiter)
+                raise
+            reuse = True
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> Connection:
+        try:
+            async with asyncio.timeout(self.connect_s):
+                _, conn = await loop.create_connection(lambda: Connection(self), self.host, self.port,
+                                                       ssl=self._ssl)
+        except (OSError, TimeoutError) as exc:
+            raise ConnectFailed(f"{type(exc).__name__}: {exc}") from exc
+        return conn
+
+    def _put(self, conn: Connection) -> None:
+        """A connection whose answer was read to its end, kept alive for the next request."""
+        if self._closed:
+            conn.close()
+            return
+        conn.idle_since = asyncio.get_running_loop().time()
+        self._idle.append(conn)
+        self._wake()
+
+    def _forget(self, conn: Connection) -> None:
+        """A connection that is closed (by either side): its place goes to a waiter."""
+        self._open -= 1
+        if conn in self._idle:
+            self._idle.remove(conn)
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+
+class Connection(asyncio.Protocol):
+    """One TCP connection and the answer in progress on it (httptools calls the on_* methods)."""
+
+    __slots__ = ("pool", "transport", "parser", "idle_since", "uses", "status", "length", "chunked", "encoded",
+                 "body", "buffered", "high_water", "paused", "headers_done", "complete", "keep_alive", "received", "error",
+                 "waiter", "_counted")
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.idle_since = 0.0
+        self.uses = 0
+        self._counted = True
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.length: int | None = None
+        self.chunked = self.encoded = self.headers_done = self.complete = self.keep_alive = False
+        self.received = self.paused = False
+        self.body: list[bytes] = []
+        self.buffered = 0
+        self.high_water = HIGH_WATER
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future[None] | None = None
+
+    async def exchange(self, head: bytes, body: bytes, idle_s: float | None) -> Response:
+        if self.transport is None:
+            raise _Stale("closed while idle") if self.uses else BrokenAnswer("closed before the request")
+        self._reset()
+        self.uses += 1
+        self.transport.write(head + body if len(body) < 65536 else head)
+        if len(body) >= 65536:
+            self.transport.write(body)
+        while not self.headers_done:
+            await self.wait(idle_s)
+        return Response(self, idle_s)
+
+    async def wait(self, idle_s: float | None) -> None:
+        """Until more of the answer (or its end, or an error) arrives; TimeoutError after `idle_s`."""
+        if self.error is not None:
+            raise self.error
+        loop = asyncio.get_running_loop()
+        self.waiter = waiter = loop.create_future()
+        timer = None if idle_s is None else loop.call_later(idle_s, _time_out, waiter)
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def done_with(self) -> None:
+        """The caller is done with the answer: keep the connection if the answer ended cleanly."""
+        if self.complete and self.keep_alive and self.error is None and self.transport is not None:
+            self.pool._put(self)
+        else:
+            self.close()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+            self.transport = None
+        if self._counted:
+            self._counted = False
+            self.pool._forget(self)
+
+    # -- asyncio's side ------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.complete:
+            self._fail(BrokenAnswer("bytes after the answer's end"))
+            return
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(self.error or BrokenAnswer(f"not HTTP: {exc}"))
+            return
+        if self.buffered > self.high_water and not self.complete and not self.paused and self.transport:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        return False  # close our side too
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        if self.headers_done and not self.complete and self.length is None and not self.chunked:
+            self.complete = True  # an answer delimited by the connection's end
+        elif not self.complete and self.error is None:
+            if self.uses and not self.received:
+                self.error = _Stale("closed before answering") if self.uses > 1 else \
+                    BrokenAnswer("closed before answering")
+            else:
+                self.error = BrokenAnswer("closed mid-answer")
+        self._wake()
+        if self._counted:
+            self._counted = False
+            self.pool._forget(self)
+
+    def _fail(self, error: BaseException) -> None:
+        self.error = error
+        self._wake()
+        self.close()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def resume(self) -> None:
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    # -- httptools' side -------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise BrokenAnswer("a second answer to one request")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        if name == b"content-length":
+            self.length = int(value) if value.isdigit() else None
+        elif name == b"transfer-encoding":
+            self.chunked = b"chunked" in value.lower()
+        elif name == b"content-encoding":
+            self.encoded = value.strip().lower() not in (b"", b"identity")
+
+    def on_headers_complete(self) -> None:
+        if self.encoded:
+            self.error = BrokenAnswer("a compressed answer (no Accept-Encoding was sent)")
+            raise self.error
+        self.status = self.parser.get_status_code()
+        self.headers_done = True
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+        self.buffered += len(body)
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()  # the parser forgets it for the next message
+
+
+def _time_out(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class Response:
+    """An answer whose headers are in; its body is read with `read` or `piece`, then `close`."""
+
+    __slots__ = ("status", "content_length", "_conn", "_idle_s")
+
+    def __init__(self, conn: Connection, idle_s: float | None) -> None:
+        self.status = conn.status
+        self.content_length = conn.length
+        self._conn: Connection | None = conn
+        self._idle_s = idle_s
+
+    async def read(self, limit: int) -> bytes:
+        """The whole body, or its first `limit + 1` bytes or more if it is longer; closes."""
+        conn = self._conn
+        assert conn is not None
+        conn.high_water = limit + 1
+        conn.resume()
+        try:
+            while not conn.complete and conn.buffered <= limit:
+                await conn.wait(self._idle_s)
+            return b"".join(conn.body)
+        finally:
+            self.close()
+
+    async def piece(self) -> bytes:
+        """What has arrived of the body since the last call, waiting for some; b"" at its end.
+
+        What arrived before the connection broke is returned before the error is raised."""
+        conn = self._conn
+        assert conn is not None
+        while not conn.body:
+            if conn.complete:
+                return b""
+            await conn.wait(self._idle_s)
+        pieces = conn.body
+        conn.body = []
+        conn.buffered = 0
+        conn.resume()
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+    def close(self) -> None:
+        """Done with it: an answer read to its end leaves its connection to the next request;
+        otherwise the connection is closed, which tells the server to stop generating."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.done_with()
