@@ -323,6 +323,32 @@ def test_a_silent_stream_times_out_after_its_idle_limit() -> None:
     run(main())
 
 
+def test_a_stream_slower_in_all_than_its_idle_limit_but_never_silent_that_long_goes_on() -> None:
+    async def drip(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(8):
+            await asyncio.sleep(0.1)
+            writer.write(b"2\r\nok\r\n")
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        await read_request(reader)
+
+    async def main() -> None:
+        async with Server(drip) as server:
+            pool = Pool(server.url, 1, 1.0)
+            resp = await pool.request("POST", "/x", {}, b"{}", idle_s=0.25)
+            got = b""
+            while piece := await resp.piece():
+                got += piece
+            assert got == b"ok" * 8
+            resp.close()
+            pool.close()
+
+    run(main())
+
+
 def test_no_server_is_a_connect_failure() -> None:
     async def main() -> None:
         async with Server(answer_each) as server:

@@ -258,6 +258,15 @@ def test_sse_parser_gives_the_same_payloads_however_the_bytes_arrive(name: str) 
     assert mixed == [whole[0], b"{}"]
 
 
+@pytest.mark.parametrize("piece", [
+    b"data: a\n\ndata: b\n\n", b"data: a\n\ndata:b\n\n", b"data: a\ndata: b\n\n", b"data: a\n\n\n\ndata: b\n\n",
+    b"data: \n\n", b"data: a\n\n: comment\n\n", b"data: a\n\nevent: x\ndata: b\n\n", b"data: a\r\n\r\n",
+    b"data:  two spaces\n\n", b"data: a\n\ndata: b\n\ndata: [DONE]\n\n",
+])
+def test_the_sse_fast_path_reads_what_the_general_path_reads(piece: bytes) -> None:
+    assert SSEParser(1 << 20).feed(piece) == SSEParser(1 << 20)._feed(piece)
+
+
 def test_sse_parser_refuses_an_event_over_the_limit_on_either_path() -> None:
     event = b"data: " + b"x" * 100 + b"\n\n"
     for piece in (event, event[:50]):  # whole (fast path) or split (general path)

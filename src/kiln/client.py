@@ -144,7 +144,7 @@ class Pool:
         if self._closed:
             conn.close()
             return
-        conn.idle_since = asyncio.get_running_loop().time()
+        conn.idle_since = conn.loop.time()
         self._idle.append(conn)
         self._wake()
 
@@ -168,13 +168,15 @@ class Connection(asyncio.Protocol):
 
     __slots__ = ("pool", "transport", "parser", "idle_since", "uses", "status", "length", "chunked", "encoded",
                  "body", "buffered", "high_water", "paused", "headers_done", "complete", "keep_alive", "received", "error",
-                 "waiter", "_counted")
+                 "waiter", "loop", "wait_since", "watchdog", "_counted")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.idle_since = 0.0
+        self.loop = asyncio.get_running_loop()
+        self.idle_since = self.wait_since = 0.0
+        self.watchdog: asyncio.TimerHandle | None = None
         self.uses = 0
         self._counted = True
         self._reset()
@@ -203,27 +205,49 @@ class Connection(asyncio.Protocol):
         return Response(self, idle_s)
 
     async def wait(self, idle_s: float | None) -> None:
-        """Until more of the answer (or its end, or an error) arrives; TimeoutError after `idle_s`."""
+        """Until more of the answer (or its end, or an error) arrives; TimeoutError after `idle_s`.
+
+        One watchdog timer per answer, not one per wait (a timer costs microseconds, and a
+        slow stream waits once a token): it fires at the earliest moment a wait can have
+        lasted `idle_s`, and rearms for the wait in progress."""
         if self.error is not None:
             raise self.error
-        loop = asyncio.get_running_loop()
+        loop = self.loop
         self.waiter = waiter = loop.create_future()
-        timer = None if idle_s is None else loop.call_later(idle_s, _time_out, waiter)
+        if idle_s is not None:
+            self.wait_since = loop.time()
+            if self.watchdog is None:
+                self.watchdog = loop.call_at(self.wait_since + idle_s, self._watch, idle_s)
         try:
             await waiter
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
+
+    def _watch(self, idle_s: float) -> None:
+        self.watchdog = None
+        waiter = self.waiter
+        if waiter is None or waiter.done():
+            return  # not waiting: the next wait arms it again
+        due = self.wait_since + idle_s
+        if self.loop.time() >= due:
+            waiter.set_exception(TimeoutError())
+        else:
+            self.watchdog = self.loop.call_at(due, self._watch, idle_s)
 
     def done_with(self) -> None:
         """The caller is done with the answer: keep the connection if the answer ended cleanly."""
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
         if self.complete and self.keep_alive and self.error is None and self.transport is not None:
             self.pool._put(self)
         else:
             self.close()
 
     def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+            self.watchdog = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -313,11 +337,6 @@ class Connection(asyncio.Protocol):
     def on_message_complete(self) -> None:
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()  # the parser forgets it for the next message
-
-
-def _time_out(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimeoutError())
 
 
 class Response:
