@@ -133,7 +133,7 @@ def main() -> int:
         sim = start_sim(stack, tmp, None)
         for target in targets:
             results[target] = measure(stack, tmp, target, sim, a)
-            print(f"{a.protocol}/{a.workload} {target}: {results[target] / 1e6:.2f} M instructions per request",
+            print(f"{a.protocol}/{a.workload} {target}: {results[target] / 1e6:.3f} M instructions per request",
                   flush=True)
     if "bare" in results and "kiln" in results:
         print(f"Kiln / bare proxy: {results['kiln'] / results['bare']:.2f}x the instructions per request")

@@ -262,6 +262,24 @@ def test_every_framing_of_a_body_is_read_whole(framing: str) -> None:
     run(main())
 
 
+def test_an_informational_answer_before_the_answer_is_skipped() -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader):
+            writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n" + ok())
+            await writer.drain()
+
+    async def main() -> None:
+        async with Server(answer) as server:
+            pool = Pool(server.url, 1, 1.0)
+            for _ in range(2):
+                resp = await pool.request("POST", "/x", {}, b"{}")
+                assert (resp.status, await resp.read(100)) == (200, b'{"ok":true}')
+            assert server.connections == 1
+            pool.close()
+
+    run(main())
+
+
 @pytest.mark.parametrize("wire,message", [
     (b"SPDY/9 what\r\n\r\n", "not HTTP"),
     (b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort", "mid-answer"),

@@ -167,7 +167,7 @@ class Connection(asyncio.Protocol):
     """One TCP connection and the answer in progress on it (httptools calls the on_* methods)."""
 
     __slots__ = ("pool", "transport", "parser", "idle_since", "uses", "status", "length", "chunked", "encoded",
-                 "body", "buffered", "high_water", "paused", "headers_done", "complete", "keep_alive", "received", "error",
+                 "body", "buffered", "high_water", "paused", "headers_done", "complete", "keep_alive", "informational", "received", "error",
                  "waiter", "loop", "wait_since", "watchdog", "_counted")
 
     def __init__(self, pool: Pool) -> None:
@@ -185,7 +185,7 @@ class Connection(asyncio.Protocol):
         self.status = 0
         self.length: int | None = None
         self.chunked = self.encoded = self.headers_done = self.complete = self.keep_alive = False
-        self.received = self.paused = False
+        self.received = self.paused = self.informational = False
         self.body: list[bytes] = []
         self.buffered = 0
         self.high_water = HIGH_WATER
@@ -327,7 +327,11 @@ class Connection(asyncio.Protocol):
         if self.encoded:
             self.error = BrokenAnswer("a compressed answer (no Accept-Encoding was sent)")
             raise self.error
-        self.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:  # 100 Continue, 103 Early Hints: the answer is still to come
+            self.informational = True
+            return
+        self.status = status
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
@@ -335,6 +339,10 @@ class Connection(asyncio.Protocol):
         self.buffered += len(body)
 
     def on_message_complete(self) -> None:
+        if self.informational:
+            self.informational = False
+            self.length, self.chunked = None, False
+            return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()  # the parser forgets it for the next message
 
