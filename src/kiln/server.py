@@ -20,7 +20,9 @@ chunk of a response:
   cancel their work at once: no task per request watches `receive` for the disconnect;
 - at most `max_connections` open (capped to what the open-file limit allows): a new
   connection beyond that closes the connection that has waited longest without a
-  request in progress, so an idle flood cannot lock real clients out.
+  request in progress, so an idle flood cannot lock real clients out;
+- a response's head goes out with the first piece of its body (`HeadWithBody`): one
+  write, not two, for a JSON answer.
 
 Slow bodies are bounded where the body is read (kiln.http.read_body, `body_timeout_s`).
 """
@@ -99,6 +101,7 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.transport = HeadWithBody(transport, self.loop)  # type: ignore[assignment]
         self._head_done = False  # the current request's head is in (its app runs)
         self._head_bytes = 0
         self._refusal: tuple[int, str] | None = None
@@ -181,6 +184,51 @@ class GuardedProtocol(HttpToolsProtocol):
         head.append(b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body))
         self.transport.write(b"".join(head) + body)
         self.transport.close()
+
+
+class HeadWithBody:
+    """A connection's transport that holds a response's head until the first piece of its
+    body, or the end of this turn of the loop, whichever comes first.
+
+    uvicorn writes the head when the app sends `http.response.start`, and the body when it
+    sends the body: two syscalls (and two segments the client reads) where one does. A JSON
+    answer's body follows in the same turn; a stream's first chunk often does. Every other
+    use goes to the transport, a close only after the head is out.
+    """
+
+    __slots__ = ("transport", "loop", "head")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self.transport = transport
+        self.loop = loop
+        self.head: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        head = self.head
+        if head is not None:
+            self.head = None
+            self.transport.write(head + data)
+        elif data[:5] == b"HTTP/" and data[-4:] == b"\r\n\r\n":
+            self.head = data
+            self.loop.call_soon(self.flush)
+        else:
+            self.transport.write(data)
+
+    def flush(self) -> None:
+        head = self.head
+        if head is not None:
+            self.head = None
+            self.transport.write(head)
+
+    def close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def is_closing(self) -> bool:
+        return self.transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.transport, name)
 
 
 def _error_body(url: bytes, status: int, message: str) -> bytes:
