@@ -15,6 +15,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from kiln.catalog import Backend, Capabilities, Catalog, Model
@@ -274,3 +275,61 @@ def test_sse_parser_refuses_an_event_over_the_limit_on_either_path() -> None:
         with pytest.raises(GatewayError):
             parser.feed(piece)
             parser.feed(event[50:])
+
+
+def _backend_stream(chat: bool, model: str = "backend-m") -> list[bytes]:
+    """A vLLM stream without continuous usage: role chunk, text, an empty text, the end, usage, [DONE]."""
+    def chunk(piece: dict[str, Any] | None, finish: str | None = None, usage: dict[str, int] | None = None) -> bytes:
+        if chat:
+            choices = [{"index": 0, "delta": piece if piece is not None else {}, "logprobs": None,
+                        "finish_reason": finish}] if piece is not None or finish else []
+            obj: dict[str, Any] = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": model,
+                                   "choices": choices}
+        else:
+            choices = [{"index": 0, "text": (piece or {}).get("content", ""), "logprobs": None,
+                        "finish_reason": finish}] if piece is not None or finish else []
+            obj = {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": model, "choices": choices}
+        if usage:
+            obj["usage"] = usage
+        return orjson.dumps(obj)
+
+    texts = ["Hel", "lo", "", ' "model":"backend-m" ', "!", "\\n", "end"]
+    out = [chunk({"role": "assistant", "content": ""})] if chat else []
+    out += [chunk({"content": t}) for t in texts]
+    out += [chunk({}, finish="stop"), chunk(None, usage={"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10})]
+    return out + [b"[DONE]"]
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_read_taken_whole_gives_what_its_payloads_give_one_by_one(chat: bool) -> None:
+    """Translator.chunks (several payloads at once, the pass-through fast path) against chunk()."""
+    def fresh() -> Translator:
+        if chat:
+            tr: Translator = ChatTranslator(CTX)
+            tr.request({"model": "m", "messages": HI, "stream": True})
+        else:
+            tr = CompletionsTranslator(CTX)
+            tr.request({"model": "m", "prompt": "hi", "stream": True, "max_tokens": 9})
+        return tr
+
+    payloads = _backend_stream(chat)
+    for size in (2, 3, 4, len(payloads)):  # reads of this many payloads
+        whole, single = fresh(), fresh()
+        taken = 0
+        for start in range(0, len(payloads), size):
+            read = payloads[start:start + size]
+            i = 0
+            while i < len(read):
+                got = whole.chunks(read, i) if len(read) - i > 1 else None
+                n = got[2] if got is not None else 1
+                steps = [single.chunk(p) for p in read[i:i + n]]
+                for p in read[i:i + n]:
+                    whole.chunk(p)  # chunks() changed nothing: advance it as the pipeline would
+                if got is not None:
+                    taken += n
+                    assert n >= 2
+                    assert got[:2] == (b"".join(s[0] for s in steps), sum(s[2] for s in steps)), (size, start, i)
+                    assert not any(s[1] is not None or s[3] for s in steps)
+                    assert b"backend-m" not in got[0].replace(b'\\"model\\":\\"backend-m\\"', b"")
+                i += n
+        assert taken, f"the fast path never applied (size {size})"

@@ -37,7 +37,7 @@ from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
 from kiln.core import errors
 from kiln.core.accounts import Accounts
-from kiln.core.admission import AdmissionControl, Demand, Ticket
+from kiln.core.admission import AdmissionControl, Ticket
 from kiln.core.clock import Clock
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
@@ -153,7 +153,7 @@ class Gateway:
                 raise self.ledger.unavailable()
             generation_id = new_generation_id()
             ticket = await self.admission.admit(key, self.accounts.org(key.org_id),
-                                                _demand(call, tr.endpoint, len(raw)), generation_id)
+                                                call.demand(tr.endpoint, len(raw)), generation_id)
         except GatewayError as err:
             observe.refused(tr.endpoint, err, started=started, key=key, model=call.model.id if call else None,
                             trace=trace)
@@ -316,9 +316,17 @@ class Gateway:
             # One write for all that arrived in one read: far fewer syscalls under load.
             frames: list[bytes] = []
             done = False
+            i, n = 0, len(batch)
             try:
-                for payload in batch:
-                    out, usage, pieces, done = tr.chunk(payload)
+                while i < n:
+                    run_of = tr.chunks(batch, i) if n - i > 1 else None  # several at once, where they allow
+                    if run_of is not None and run.delivered + run_of[1] < ticket.output_tokens:
+                        frames.append(run_of[0])
+                        run.delivered += run_of[1]
+                        i += run_of[2]
+                        continue
+                    out, usage, pieces, done = tr.chunk(batch[i])
+                    i += 1
                     frames.append(out)
                     if usage is not None:
                         run.usage = usage
@@ -473,23 +481,6 @@ def _prepared(call: UpstreamCall, backend: Backend) -> tuple[bytes, bool]:
         return backends.prepare(call, backend)
     except orjson.JSONEncodeError:
         raise errors.invalid(TOO_DEEP) from None
-
-
-def _demand(call: UpstreamCall, endpoint: str, body_bytes: int) -> Demand:
-    """The most a request can cost: one prompt token per body byte (no more than the
-    context window holds), and its output cap for each output."""
-    model = call.model
-    return Demand(
-        prompt_tokens_max=min(body_bytes, model.context_window),
-        input_nano_per_token=model.prices.input * 1000,
-        output_nano_per_token=model.prices.output * 1000,
-        max_output_tokens=call.max_output_tokens,
-        stream=call.stream,
-        outputs=call.outputs,
-        model=model.id,
-        endpoint=endpoint,
-        kind=call.kind,
-    )
 
 
 def _reply(tr: Translator, err: GatewayError, headers: dict[str, str] | None = None) -> Response:

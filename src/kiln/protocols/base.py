@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from kiln.catalog import Catalog, Model
+from kiln.core.admission import Demand
 from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
 
@@ -74,6 +75,15 @@ class UpstreamCall:
         self.body["model"] = backend_model
         return orjson.dumps(self.body)
 
+    def demand(self, endpoint: str, body_bytes: int) -> Demand:
+        """The most the call can cost, for admission: one prompt token per body byte (no more
+        than the context window holds), and its output cap for each output."""
+        model = self.model
+        return Demand(prompt_tokens_max=min(body_bytes, model.context_window),
+                      input_nano_per_token=model.prices.input * 1000, output_nano_per_token=model.prices.output * 1000,
+                      max_output_tokens=self.max_output_tokens, stream=self.stream, outputs=self.outputs,
+                      model=model.id, endpoint=endpoint, kind=self.kind)
+
 
 @dataclass(slots=True)
 class Reply:
@@ -90,6 +100,7 @@ class Translator(Protocol):
     def response(self, raw: bytes) -> Usage | None: ...
     def render(self, cost_nano: int) -> bytes: ...
     def chunk(self, payload: bytes) -> Step: ...
+    def chunks(self, payloads: list[bytes], start: int) -> tuple[bytes, int, int] | None: ...
     def truncate(self, note: str) -> bytes: ...
     def finish(self, cost_nano: int) -> bytes: ...
     def keepalive(self) -> bytes: ...

@@ -137,6 +137,13 @@ class ChatBacked(ABC):
             raise in_stream_error(backend_json(payload))
         return self._chunk(payload)
 
+    def chunks(self, payloads: list[bytes], start: int) -> tuple[bytes, int, int] | None:
+        """Several payloads of a read at once, from `start`: the longest run of them that needs
+        no look inside (no usage, no end, no error), as (frames, output pieces, how many), which
+        is what `chunk` would give for each, joined. None: take the next one by one. It changes
+        no state, so the caller may still go one by one (to stop exactly where the money ends)."""
+        return None
+
     def response(self, raw: bytes) -> Usage | None:
         return self._response(backend_json(raw))
 

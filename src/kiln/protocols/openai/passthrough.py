@@ -36,6 +36,15 @@ def _finish_in(payload: bytes) -> str | None:
     return payload[start:end].decode() if end > start else None
 
 
+_JOIN = b"\n\ndata: "
+
+
+def _looked_into(payload: bytes) -> bool:
+    """A payload the pass-through stream must look at on its own (usage, the end, an error)."""
+    return b'"usage"' in payload or b'"finish_reason":"' in payload or not payload.startswith(b"{") \
+        or payload.startswith(b'{"error"')
+
+
 def usage_counts(u: Usage) -> dict[str, Any]:
     counts: dict[str, Any] = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                               "total_tokens": u.prompt_tokens + u.completion_tokens}
@@ -140,6 +149,29 @@ class Passthrough(ChatBacked):
                 pieces = 0
                 break
         return b"data: " + payload + b"\n\n", usage, pieces, False
+
+    def chunks(self, payloads: list[bytes], start: int) -> tuple[bytes, int, int] | None:
+        """Mid-stream, bytes passing through: one join, a few scans, one rename for the run."""
+        if not self._named or self._parses() or _looked_into(payloads[start]):
+            return None
+        raw = _JOIN.join(payloads[start:] if start else payloads)
+        taken = len(payloads) - start
+        end = min((at for at in (raw.find(b'"usage"'), raw.find(b'{"error"'), raw.find(b"[DONE]"),
+                                 raw.find(b'"finish_reason":"') if self._finish_reason is None else -1) if at >= 0),
+                  default=-1)
+        if end >= 0:  # the run stops before the payload that needs a look
+            taken = raw.count(_JOIN, 0, end)
+            if taken < 2:
+                return None
+            raw = raw[:raw.rfind(_JOIN, 0, end)]
+        if raw[:1] != b"{" or raw[-1:] != b"}" or raw.count(b"}" + _JOIN + b"{") != taken - 1:
+            return None  # a payload that is not an object: chunk() refuses it
+        if self._model_from:
+            raw = raw.replace(self._model_from, self._model_to)
+        pieces = taken
+        for pattern in self.empty_piece:
+            pieces -= raw.count(pattern)
+        return b"data: " + raw + b"\n\n", pieces, taken
 
     def _parsed(self, data: dict[str, Any]) -> Step:
         usage = Usage.from_openai(data["usage"]) if "usage" in data else None
