@@ -148,15 +148,21 @@ class Usage:
         by the request's own limits and falls back to its estimate)."""
         if not isinstance(u, dict):
             return None
-        details = u.get("prompt_tokens_details") or {}
-        out_details = u.get("completion_tokens_details") or {}
-        if not isinstance(details, dict) or not isinstance(out_details, dict):
+        # Straight-line checks, no generator: a continuous-usage stream brings one per token.
+        prompt, completion = u.get("prompt_tokens"), u.get("completion_tokens")
+        cached, reasoning = None, u.get("reasoning_tokens")
+        details, out_details = u.get("prompt_tokens_details"), u.get("completion_tokens_details")
+        if details:
+            if not isinstance(details, dict):
+                return None
+            cached = details.get("cached_tokens")
+        if out_details:
+            if not isinstance(out_details, dict):
+                return None
+            reasoning = out_details.get("reasoning_tokens", reasoning)
+        if not (_count_ok(prompt) and _count_ok(completion) and _count_ok(cached) and _count_ok(reasoning)):
             return None
-        counts = (u.get("prompt_tokens"), details.get("cached_tokens"), u.get("completion_tokens"),
-                  out_details.get("reasoning_tokens", u.get("reasoning_tokens")))
-        if not all(c is None or _count_ok(c) for c in counts):
-            return None
-        prompt, cached, completion, reasoning = (c or 0 for c in counts)
+        prompt, completion, cached, reasoning = prompt or 0, completion or 0, cached or 0, reasoning or 0
         return cls(prompt, min(cached, prompt), completion, min(reasoning, completion), exact=True)
 
 
@@ -164,4 +170,5 @@ MAX_TOKENS = 1 << 31  # no request has more tokens than this; larger counts are 
 
 
 def _count_ok(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_TOKENS
+    """Absent, or a non-negative int below MAX_TOKENS (orjson makes no int subclass but bool)."""
+    return value is None or (type(value) is int and 0 <= value < MAX_TOKENS)
