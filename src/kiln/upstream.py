@@ -40,7 +40,7 @@ _OVERFLOW = re.compile(
 _TOKENS_IN_MESSAGE = re.compile(r"(\d+) input tokens|input \((\d+) tokens\)|request \((\d+) tokens\)")
 _ERROR_BODY_BYTES = 64 * 1024  # what is read of an error answer
 FAILOVER_STATUSES = (502, 503, 504)
-_SIDE_CONNECTIONS = 4  # per server, beside its requests' pool
+_SIDE_CONNECTIONS = 16  # per server, beside its requests' pool (count_tokens calls a tokenizer per request)
 _BROKEN = (TimeoutError, client.BrokenAnswer, OSError)  # what the client raises once connected
 
 
