@@ -333,3 +333,18 @@ def test_a_read_taken_whole_gives_what_its_payloads_give_one_by_one(chat: bool) 
                     assert b"backend-m" not in got[0].replace(b'\\"model\\":\\"backend-m\\"', b"")
                 i += n
         assert taken, f"the fast path never applied (size {size})"
+
+
+def test_text_deltas_from_templates_are_the_bytes_the_dicts_would_encode_to() -> None:
+    """Messages' content_block_delta and Responses' output_text.delta are written from byte templates."""
+    from kiln.protocols.anthropic import blocks
+    from kiln.protocols.openai import responses_output
+    from kiln.protocols.base import sse_event
+
+    for text in ("plain", 'quote " and \\ backslash', "newline\n", "ünïcödé ✓", "\u2028"):
+        assert blocks._TEXT_DELTA % (3, orjson.dumps(text)) == sse_event("content_block_delta", {
+            "type": "content_block_delta", "index": 3, "delta": {"type": "text_delta", "text": text}})
+        assert responses_output._TEXT_DELTA % (7, orjson.dumps("msg_1"), 2, orjson.dumps(text)) == sse_event(
+            "response.output_text.delta", {"type": "response.output_text.delta", "sequence_number": 7,
+                                           "item_id": "msg_1", "output_index": 2, "content_index": 0,
+                                           "delta": text, "logprobs": []})
