@@ -319,8 +319,9 @@ class Gateway:
             i, n = 0, len(batch)
             try:
                 while i < n:
-                    run_of = tr.chunks(batch, i) if n - i > 1 else None  # several at once, where they allow
-                    if run_of is not None and run.delivered + run_of[1] < ticket.output_tokens:
+                    # Several at once where they allow, short of the output the money covers.
+                    run_of = tr.chunks(batch, i, ticket.output_tokens - run.delivered - 1) if n - i > 1 else None
+                    if run_of is not None:
                         frames.append(run_of[0])
                         run.delivered += run_of[1]
                         i += run_of[2]

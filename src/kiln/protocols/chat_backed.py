@@ -137,11 +137,12 @@ class ChatBacked(ABC):
             raise in_stream_error(backend_json(payload))
         return self._chunk(payload)
 
-    def chunks(self, payloads: list[bytes], start: int) -> tuple[bytes, int, int] | None:
-        """Several payloads of a read at once, from `start`: the longest run of them that needs
-        no look inside (no usage, no end, no error), as (frames, output pieces, how many), which
-        is what `chunk` would give for each, joined. None: take the next one by one. It changes
-        no state, so the caller may still go one by one (to stop exactly where the money ends)."""
+    def chunks(self, payloads: list[bytes], start: int, most: int) -> tuple[bytes, int, int] | None:
+        """Several payloads of a read at once, from `start`: the longest run of them, `most` at
+        most, that needs no look inside (no usage, no end, no error), as (frames, output pieces,
+        how many), which is what `chunk` would give for each, joined; None: take the next one
+        by one. It changes no state and looks at no payload beyond the run it takes, so going
+        through a read costs what the read is long (`most` lets the caller stop at a budget)."""
         return None
 
     def response(self, raw: bytes) -> Usage | None:

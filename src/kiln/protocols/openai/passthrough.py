@@ -39,10 +39,11 @@ def _finish_in(payload: bytes) -> str | None:
 _JOIN = b"\n\ndata: "
 
 
-def _looked_into(payload: bytes) -> bool:
-    """A payload the pass-through stream must look at on its own (usage, the end, an error)."""
-    return b'"usage"' in payload or b'"finish_reason":"' in payload or not payload.startswith(b"{") \
-        or payload.startswith(b'{"error"')
+def _looked_into(payload: bytes, ending: bool) -> bool:
+    """A payload the pass-through stream must look at on its own: usage, an error, anything but
+    an object ([DONE]), and while no output has ended, a finish reason."""
+    return (payload[:1] != b"{" or payload[-1:] != b"}" or b'"usage"' in payload or payload.startswith(b'{"error"')
+            or (ending and b'"finish_reason":"' in payload))
 
 
 def usage_counts(u: Usage) -> dict[str, Any]:
@@ -150,22 +151,19 @@ class Passthrough(ChatBacked):
                 break
         return b"data: " + payload + b"\n\n", usage, pieces, False
 
-    def chunks(self, payloads: list[bytes], start: int) -> tuple[bytes, int, int] | None:
-        """Mid-stream, bytes passing through: one join, a few scans, one rename for the run."""
-        if not self._named or self._parses() or _looked_into(payloads[start]):
+    def chunks(self, payloads: list[bytes], start: int, most: int) -> tuple[bytes, int, int] | None:
+        """Mid-stream, bytes passing through: a quick look at each payload of the run, then one
+        join, one scan and one rename for all of it."""
+        if not self._named or self._parses():
             return None
-        raw = _JOIN.join(payloads[start:] if start else payloads)
-        taken = len(payloads) - start
-        end = min((at for at in (raw.find(b'"usage"'), raw.find(b'{"error"'), raw.find(b"[DONE]"),
-                                 raw.find(b'"finish_reason":"') if self._finish_reason is None else -1) if at >= 0),
-                  default=-1)
-        if end >= 0:  # the run stops before the payload that needs a look
-            taken = raw.count(_JOIN, 0, end)
-            if taken < 2:
-                return None
-            raw = raw[:raw.rfind(_JOIN, 0, end)]
-        if raw[:1] != b"{" or raw[-1:] != b"}" or raw.count(b"}" + _JOIN + b"{") != taken - 1:
-            return None  # a payload that is not an object: chunk() refuses it
+        end, stop = start, min(len(payloads), start + most)
+        ending = self._finish_reason is None  # the first finish reason must be noted, by chunk()
+        while end < stop and not _looked_into(payloads[end], ending):
+            end += 1
+        taken = end - start
+        if taken < 2:
+            return None
+        raw = _JOIN.join(payloads[start:end])
         if self._model_from:
             raw = raw.replace(self._model_from, self._model_to)
         pieces = taken
