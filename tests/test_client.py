@@ -79,16 +79,24 @@ async def answer_each(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
         await writer.drain()
 
 
+async def one_by_one(server: Server, n: int, limit: int = 1) -> list[tuple[int, bytes]]:
+    """`n` requests (bodies 0, 1, ...) one after another on a pool of `limit`: statuses and bodies."""
+    pool = Pool(server.url, limit, 1.0)
+    try:
+        answers = []
+        for i in range(n):
+            resp = await pool.request("POST", "/chat/completions", {"Content-Type": "application/json"}, b"%d" % i)
+            answers.append((resp.status, await resp.read(1000)))
+        return answers
+    finally:
+        pool.close()
+
+
 def test_connections_are_kept_alive_and_reused() -> None:
     async def main() -> None:
         async with Server(answer_each) as server:
-            pool = Pool(server.url, 4, 1.0)
-            for i in range(5):
-                resp = await pool.request("POST", "/chat/completions", {"Content-Type": "application/json"},
-                                          b"%d" % i)
-                assert (resp.status, await resp.read(1000)) == (200, b'{"echo":%d}' % i)
+            assert await one_by_one(server, 5, limit=4) == [(200, b'{"echo":%d}' % i) for i in range(5)]
             assert server.connections == 1
-            pool.close()
 
     run(main())
 
@@ -104,12 +112,8 @@ def test_a_kept_alive_connection_closed_as_the_request_went_is_retried_once_on_a
 
     async def main() -> None:
         async with Server(one_answer_per_connection) as server:
-            pool = Pool(server.url, 4, 1.0)
-            for _ in range(3):
-                resp = await pool.request("POST", "/x", {}, b"{}")
-                assert await resp.read(100) == b'{"ok":true}'
+            assert await one_by_one(server, 3, limit=4) == [(200, b'{"ok":true}')] * 3
             assert server.connections == 3
-            pool.close()
 
     run(main())
 
@@ -270,12 +274,8 @@ def test_an_informational_answer_before_the_answer_is_skipped() -> None:
 
     async def main() -> None:
         async with Server(answer) as server:
-            pool = Pool(server.url, 1, 1.0)
-            for _ in range(2):
-                resp = await pool.request("POST", "/x", {}, b"{}")
-                assert (resp.status, await resp.read(100)) == (200, b'{"ok":true}')
+            assert await one_by_one(server, 2) == [(200, b'{"ok":true}')] * 2
             assert server.connections == 1
-            pool.close()
 
     run(main())
 
@@ -311,12 +311,8 @@ def test_bytes_after_an_answer_cost_the_connection_not_the_answer() -> None:
 
     async def main() -> None:
         async with Server(answer) as server:
-            pool = Pool(server.url, 1, 1.0)
-            for _ in range(2):
-                resp = await pool.request("POST", "/x", {}, b"{}")
-                assert await resp.read(100) == b"{}"
+            assert await one_by_one(server, 2) == [(200, b"{}")] * 2
             assert server.connections == 2
-            pool.close()
 
     run(main())
 
