@@ -48,7 +48,8 @@ class Pool:
     keep-alive ran out as we sent) is sent again, once, on a new connection.
     """
 
-    def __init__(self, base_url: str, limit: int, connect_s: float, keepalive_s: float = 60.0) -> None:
+    def __init__(self, base_url: str, limit: int, connect_s: float, keepalive_s: float = 60.0,
+                 headers: dict[str, str] | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -63,44 +64,38 @@ class Pool:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self._host = (host if default_port else f"{host}:{self.port}").encode()
         self._ssl = ssl.create_default_context() if self.tls else None
+        self._fixed = b"".join(_header_line(n, v) for n, v in (headers or {}).items())  # every request's, encoded once
         self._idle: list[Connection] = []
         self._open = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._closed = False
 
-    async def request(self, method: str, path: str, headers: dict[str, str], body: bytes,
+    async def request(self, method: str, path: str, headers: dict[str, str] | None, body: bytes,
                       idle_s: float | None = None) -> Response:
-        """Send, and return once the answer's headers are in. `idle_s` bounds each wait for bytes."""
+        """Send (`headers` beside the pool's own), and return once the answer's headers are in.
+        `idle_s` bounds each wait for bytes."""
         head = self._head(method, path, headers, len(body))
-        conn = await self._acquire(reuse=True)
-        try:
-            return await conn.exchange(head, body, idle_s)
-        except _Stale:
-            pass
-        except BaseException:
-            conn.close()
-            raise
-        conn = await self._acquire(reuse=False)
-        try:
-            return await conn.exchange(head, body, idle_s)
-        except BaseException:
-            conn.close()
-            raise
+        for reuse in (True, False):
+            conn = await self._acquire(reuse)
+            try:
+                return await conn.exchange(head, body, idle_s)
+            except _Stale:
+                if not reuse:
+                    raise
+            except BaseException:
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
 
     def close(self) -> None:
         self._closed = True
         for conn in self._idle[:]:
             conn.close()
 
-    def _head(self, method: str, path: str, headers: dict[str, str], length: int) -> bytes:
-        lines = [f"{method} {self.prefix}{path} HTTP/1.1".encode(), b"Host: " + self._host,
-                 b"Content-Length: " + str(length).encode()]
-        for name, value in headers.items():
-            if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
-                raise ValueError(f"a line break in the {name!r} header")
-            lines.append(f"{name}: {value}".encode())
-        lines.append(b"\r\n")
-        return b"\r\n".join(lines)
+    def _head(self, method: str, path: str, headers: dict[str, str] | None, length: int) -> bytes:
+        extra = b"".join(_header_line(n, v) for n, v in headers.items()) if headers else b""
+        return (f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode() + b"Host: " + self._host
+                + b"\r\nContent-Length: %d\r\n" % length + self._fixed + extra + b"\r\n")
 
     async def _acquire(self, reuse: bool) -> Connection:
         loop = asyncio.get_running_loop()
@@ -161,6 +156,12 @@ class Pool:
             if not waiter.done():
                 waiter.set_result(None)
                 return
+
+
+def _header_line(name: str, value: str) -> bytes:
+    if "\n" in value or "\r" in value or "\n" in name or "\r" in name:
+        raise ValueError(f"a line break in the {name!r} header")
+    return f"{name}: {value}\r\n".encode()
 
 
 class Connection(asyncio.Protocol):

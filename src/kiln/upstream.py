@@ -3,9 +3,9 @@
 Everything goes through kiln.client (HTTP/1.1 on kept-alive connections):
 requests through one pool per backend, health checks and tokenizer calls
 through a small pool of their own per server, so they still get through when
-a backend's pool is full. Every way a
-backend can fail is turned into a GatewayError here, once, so nothing above
-this module sees a transport's exception: refused connections (`failover`:
+a backend's pool is full. Every way a backend can fail is turned into a
+GatewayError here, once, so nothing above this module sees a transport's
+exception: refused connections (`failover`:
 nothing reached the model, another backend may take it), timeouts (504),
 dropped connections and oversized answers (502), and error statuses in the
 three shapes vLLM, SGLang and llama.cpp use (`upstream_error`).
@@ -65,21 +65,20 @@ class Upstream:
     def _pool(self, backend: Backend) -> client.Pool:
         pool = self._pools.get(backend)
         if pool is None:
-            pool = self._pools[backend] = client.Pool(backend.url, backend.max_in_flight, backend.timeouts.connect_s)
+            pool = self._pools[backend] = client.Pool(backend.url, backend.max_in_flight, backend.timeouts.connect_s,
+                                                      headers=_with_key(backend, {"Content-Type": "application/json"}))
         return pool
 
     async def post(self, backend: Backend, path: str, body: bytes, *, stream: bool,
                    headers: dict[str, str] | None = None) -> client.Response:
         """POST and return once a 200's headers are in; any failure as a GatewayError.
 
-        `headers` go with the request (trace context). The caller bounds the whole exchange;
-        a stream's every wait for bytes is bounded by the backend's idle timeout.
+        `headers` go with the request (trace context), beside the pool's content type and key.
+        The caller bounds the whole exchange; a stream's every wait for bytes is bounded by the
+        backend's idle timeout.
         """
-        sent = {"Content-Type": "application/json", **(headers or {})}
-        if backend.api_key:
-            sent["Authorization"] = f"Bearer {backend.api_key}"
         try:
-            resp = await self._pool(backend).request("POST", path, sent, body,
+            resp = await self._pool(backend).request("POST", path, headers, body,
                                                      backend.timeouts.idle_s if stream else None)
         except client.ConnectFailed as exc:
             raise unreachable(exc) from None
@@ -186,9 +185,7 @@ class Upstream:
         pool = self._side.get(origin)
         if pool is None:
             pool = self._side[origin] = client.Pool(origin, _SIDE_CONNECTIONS, backend.timeouts.connect_s)
-        headers = {"Content-Type": "application/json"} if body else {}
-        if backend.api_key:
-            headers["Authorization"] = f"Bearer {backend.api_key}"
+        headers = _with_key(backend, {"Content-Type": "application/json"} if body else {})
         path = parts.path + (f"?{parts.query}" if parts.query else "")
         async with asyncio.timeout(timeout_s):
             resp = await pool.request(method, path, headers, body)
@@ -241,6 +238,13 @@ class SSEParser:
             start = end + 2
         self._buf = bytearray(text[start:])
         return out
+
+
+def _with_key(backend: Backend, headers: dict[str, str]) -> dict[str, str]:
+    """`headers` and the backend's API key, if it has one."""
+    if backend.api_key:
+        headers["Authorization"] = f"Bearer {backend.api_key}"
+    return headers
 
 
 def unreachable(exc: BaseException) -> GatewayError:

@@ -189,8 +189,8 @@ class EventStream:
         assert self._open is not None
         self._open.text.append(delta)
         if kind == "message":  # the most frequent event of all: its bytes from a template, not a dict
-            self.seq += 1
-            return out + _TEXT_DELTA % (self.seq - 1, orjson.dumps(self._open.item_id), self._open.output_index,
+            seq, self.seq = self.seq, self.seq + 1
+            return out + _TEXT_DELTA % (seq, orjson.dumps(self._open.item_id), self._open.output_index,
                                         orjson.dumps(delta))
         base = {"item_id": self._open.item_id, "output_index": self._open.output_index}
         out += self.event("response.reasoning_text.delta", **base, content_index=0, delta=delta)
