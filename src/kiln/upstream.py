@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass
-from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 import orjson
@@ -108,27 +107,9 @@ class Upstream:
             raise _too_large(limit)
         return raw
 
-    async def events(self, resp: client.Response) -> AsyncIterator[list[bytes]]:
-        """The `data:` payloads of an SSE answer, raw, one list per network read.
-
-        Batching by read lets the caller answer with one write for everything
-        that arrived together. Comments and other fields are skipped; the
-        terminating `[DONE]` is yielded like any payload. If the backend drops
-        the connection, the events it sent before are still yielded, then the
-        502. Parsing is linear in the bytes received however they are split,
-        and one event longer than `max_event_bytes` ends the stream (502).
-        """
-        parser = SSEParser(self.limits.max_event_bytes)
-        try:
-            while piece := await resp.piece():
-                events = parser.feed(piece)
-                if events:
-                    yield events
-        except _BROKEN as exc:
-            raise _mapped(exc, "mid-stream") from None
-        events = parser.feed(b"\n\n")
-        if events:
-            yield events
+    def events(self, resp: client.Response) -> Events:
+        """The `data:` payloads of an SSE answer, raw, one list per network read (see Events)."""
+        return Events(resp, SSEParser(self.limits.max_event_bytes))
 
     async def post_json(self, backend: Backend, url: str, payload: object, timeout_s: float = 10.0) -> object:
         """A small side call (a tokenizer): the parsed JSON answer, or a GatewayError."""
@@ -190,6 +171,52 @@ class Upstream:
         async with asyncio.timeout(timeout_s):
             resp = await pool.request(method, path, headers, body)
             return resp.status, (await resp.read(limit))[:limit]
+
+
+class Events:
+    """An SSE answer's `data:` payloads, raw, one list per network read: `async for batch in ...`.
+
+    Batching by read lets the caller answer with one write for everything that arrived
+    together. Comments and other fields are skipped; the terminating `[DONE]` is yielded like
+    any payload. If the backend drops the connection, the events it sent before are still
+    yielded, then the 502. Parsing is linear in the bytes received however they are split,
+    and one event longer than `max_event_bytes` ends the stream (502).
+
+    A class, not an async generator: a caller stops reading at `[DONE]`, and an async
+    generator left unfinished is closed by the event loop's finalizer hook, which schedules
+    `aclose()` through call_soon_threadsafe (an eventfd write and read, and a task) per stream.
+    """
+
+    __slots__ = ("resp", "parser", "ended")
+
+    def __init__(self, resp: client.Response, parser: SSEParser) -> None:
+        self.resp = resp
+        self.parser = parser
+        self.ended = False
+
+    def __aiter__(self) -> Events:
+        return self
+
+    async def __anext__(self) -> list[bytes]:
+        parser = self.parser
+        try:
+            while not self.ended:
+                piece = await self.resp.piece()
+                if not piece:
+                    self.ended = True
+                    break
+                events = parser.feed(piece)
+                if events:
+                    return events
+        except _BROKEN as exc:
+            self.ended = True
+            raise _mapped(exc, "mid-stream") from None
+        if parser is not None:
+            self.parser = None  # type: ignore[assignment]
+            events = parser.feed(b"\n\n")  # an event the backend did not end with a blank line
+            if events:
+                return events
+        raise StopAsyncIteration
 
 
 class SSEParser:
