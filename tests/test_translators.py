@@ -11,6 +11,7 @@ pin the contract and each protocol's mapping without a server in between.
 from __future__ import annotations
 
 import json
+import re
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -277,8 +278,10 @@ def test_sse_parser_refuses_an_event_over_the_limit_on_either_path() -> None:
             parser.feed(event[50:])
 
 
-def _backend_stream(chat: bool, model: str = "backend-m") -> list[bytes]:
-    """A vLLM stream without continuous usage: role chunk, text, an empty text, the end, usage, [DONE]."""
+def _backend_stream(chat: bool, model: str = "backend-m", continuous: bool = False,
+                    thinking: bool = False) -> list[bytes]:
+    """A vLLM stream: role chunk, text (reasoning first if `thinking`), an empty text, the end,
+    usage, [DONE]; with `continuous`, the running usage on every chunk too."""
     def chunk(piece: dict[str, Any] | None, finish: str | None = None, usage: dict[str, int] | None = None) -> bytes:
         if chat:
             choices = [{"index": 0, "delta": piece if piece is not None else {}, "logprobs": None,
@@ -293,46 +296,76 @@ def _backend_stream(chat: bool, model: str = "backend-m") -> list[bytes]:
             obj["usage"] = usage
         return orjson.dumps(obj)
 
-    texts = ["Hel", "lo", "", ' "model":"backend-m" ', "!", "\\n", "end"]
-    out = [chunk({"role": "assistant", "content": ""})] if chat else []
-    out += [chunk({"content": t}) for t in texts]
-    out += [chunk({}, finish="stop"), chunk(None, usage={"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10})]
+    texts = ["Hel", "lo", "", ' "model":"backend-m" ', ' "usage" {"error"', "!", "\\n", "end"]
+    pieces = [{"reasoning": t} for t in ("Think", "ing.")] if thinking else []
+    pieces += [{"role": "assistant", "content": ""}] if chat else []
+    pieces += [{"content": t} for t in texts]
+    out = [chunk(p, usage={"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n} if continuous else None)
+           for n, p in enumerate(pieces)]
+    final = {"prompt_tokens": 3, "completion_tokens": len(pieces), "total_tokens": 3 + len(pieces)}
+    out += [chunk({}, finish="stop", usage=final if continuous else None), chunk(None, usage=final)]
     return out + [b"[DONE]"]
 
 
-@pytest.mark.parametrize("chat", [True, False])
-def test_a_read_taken_whole_gives_what_its_payloads_give_one_by_one(chat: bool) -> None:
-    """Translator.chunks (several payloads at once, the pass-through fast path) against chunk()."""
-    def fresh() -> Translator:
-        if chat:
-            tr: Translator = ChatTranslator(CTX)
-            tr.request({"model": "m", "messages": HI, "stream": True})
-        else:
-            tr = CompletionsTranslator(CTX)
-            tr.request({"model": "m", "prompt": "hi", "stream": True, "max_tokens": 9})
-        return tr
+def _fresh(protocol: str) -> Translator:
+    body: dict[str, Any] = {"model": "m", "stream": True}
+    if protocol == "chat":
+        tr: Translator = ChatTranslator(CTX)
+        body["messages"] = HI
+    elif protocol == "completions":
+        tr = CompletionsTranslator(CTX)
+        body.update(prompt="hi", max_tokens=9)
+    elif protocol == "messages":
+        tr = MessagesTranslator(CTX)
+        body.update(messages=HI, max_tokens=99, thinking={"type": "enabled", "budget_tokens": 50})
+    else:
+        tr = ResponsesTranslator(CTX)
+        body.update(input="hi", reasoning={"effort": "low"})
+    tr.request(body)
+    return tr
 
-    payloads = _backend_stream(chat)
-    for size, most in ((2, 99), (3, 99), (4, 99), (len(payloads), 99), (len(payloads), 3)):  # reads of `size`
-        whole, single = fresh(), fresh()
-        taken = 0
-        for start in range(0, len(payloads), size):
-            read = payloads[start:start + size]
-            i = 0
-            while i < len(read):
-                got = whole.chunks(read, i, most) if len(read) - i > 1 else None
-                n = got[2] if got is not None else 1
-                steps = [single.chunk(p) for p in read[i:i + n]]
-                for p in read[i:i + n]:
-                    whole.chunk(p)  # chunks() changed nothing: advance it as the pipeline would
-                if got is not None:
-                    taken += n
-                    assert 2 <= n <= most
-                    assert got[:2] == (b"".join(s[0] for s in steps), sum(s[2] for s in steps)), (size, start, i)
-                    assert not any(s[1] is not None or s[3] for s in steps)
-                    assert b"backend-m" not in got[0].replace(b'\\"model\\":\\"backend-m\\"', b"")
-                i += n
-        assert taken, f"the fast path never applied (size {size})"
+
+def _drive(tr: Translator, payloads: list[bytes], size: int, most: int, runs: bool) -> tuple[bytes, int, int]:
+    """Feed `payloads` in reads of `size` the way the pipeline does (taking runs where the translator
+    offers them, if `runs`); (what the client gets with ids blanked, output pieces, payloads taken in runs)."""
+    out, delivered, taken, usage = [], 0, 0, None
+    for start in range(0, len(payloads), size):
+        read = payloads[start:start + size]
+        i = 0
+        while i < len(read):
+            got = tr.chunks(read, i, most) if runs and len(read) - i > 1 else None
+            if got is not None:
+                frames, reported, pieces, n = got
+                assert 1 <= n <= min(most, len(read) - i)
+                out.append(frames)
+                usage, delivered, taken, i = reported or usage, delivered + pieces, taken + n, i + n
+                continue
+            frames, reported, pieces, done = tr.chunk(read[i])
+            out.append(frames)
+            usage, delivered, i = reported or usage, delivered + pieces, i + 1
+            if done:
+                break
+    assert usage is not None
+    out.append(tr.finish(usage, 1234))
+    return re.sub(rb"(msg|resp|rs|fc|toolu|call)_[0-9a-f]{24}", b"ID", b"".join(out)), delivered, taken
+
+
+@pytest.mark.parametrize("protocol", ["chat", "completions", "messages", "responses"])
+@pytest.mark.parametrize("continuous", [False, True])
+def test_a_read_taken_in_runs_gives_what_its_payloads_give_one_by_one(protocol: str, continuous: bool) -> None:
+    """Translator.chunks (a run of payloads at once, the fast path) against chunk() alone: the same
+    bytes for the client, the same output pieces, on reads of every size and with a budget."""
+    payloads = _backend_stream(protocol != "completions", continuous=continuous,
+                               thinking=protocol in ("messages", "responses"))
+    for size, most in ((2, 99), (3, 99), (4, 99), (len(payloads), 99), (len(payloads), 3), (len(payloads), 1)):
+        whole, whole_pieces, taken = _drive(_fresh(protocol), payloads, size, most, runs=True)
+        single, single_pieces, _ = _drive(_fresh(protocol), payloads, size, most, runs=False)
+        assert whole == single, (size, most)
+        assert whole_pieces == single_pieces, (size, most)
+        assert b"backend-m" not in whole.replace(b'\\"model\\":\\"backend-m\\"', b""), "the model is renamed"
+        if size > 3 and most > 1 and not (continuous and protocol in ("chat", "completions")):
+            # (usage on every chunk is looked at one by one where the chunks pass through)
+            assert taken, f"the fast path never applied (reads of {size})"
 
 
 def test_text_deltas_from_templates_are_the_bytes_the_dicts_would_encode_to() -> None:

@@ -322,9 +322,12 @@ class Gateway:
                     # Several at once where they allow, short of the output the money covers.
                     run_of = tr.chunks(batch, i, ticket.output_tokens - run.delivered - 1) if n - i > 1 else None
                     if run_of is not None:
-                        frames.append(run_of[0])
-                        run.delivered += run_of[1]
-                        i += run_of[2]
+                        out, usage, pieces, taken = run_of
+                        frames.append(out)
+                        if usage is not None:
+                            run.usage = usage
+                        run.delivered += pieces
+                        i += taken
                         continue
                     out, usage, pieces, done = tr.chunk(batch[i])
                     i += 1

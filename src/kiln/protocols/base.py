@@ -6,7 +6,8 @@ syscall. The pipeline calls, in order:
 
     call = tr.request(body)         # validate and map: an UpstreamCall, or a GatewayError (4xx)
     JSON:    usage = tr.response(raw)              then   tr.render(cost_nano) -> bytes
-    stream:  out, usage, tokens, done = tr.chunk(payload)   per upstream SSE payload
+    stream:  out, usage, tokens, done = tr.chunk(payload)   per upstream SSE payload, or for a run
+             of them at once: out, usage, tokens, taken = tr.chunks(payloads, start, most)
              tr.truncate(note) -> bytes  (the money ran out)   then   tr.finish(cost_nano) -> bytes
     always:  tr.keepalive() -> bytes, tr.error(err) -> Reply, tr.stream_error(err) -> bytes
     at the end: tr.finish_reason() -> str | None   (the ledger's: stop, length, tool_calls, ...)
@@ -41,6 +42,9 @@ SSE = "text/event-stream"
 # how many output pieces it delivered (about one token each), and whether the translator needs
 # no more upstream payloads (the stream ended, or the gateway ended it, e.g. at a stop string).
 Step = tuple[bytes, Usage | None, int, bool]
+# What a run of plain payloads gave at once (Translator.chunks): bytes for the client, the latest
+# usage among them (or None), output pieces, and how many payloads it took.
+Run = tuple[bytes, Usage | None, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +104,7 @@ class Translator(Protocol):
     def response(self, raw: bytes) -> Usage | None: ...
     def render(self, cost_nano: int) -> bytes: ...
     def chunk(self, payload: bytes) -> Step: ...
-    def chunks(self, payloads: list[bytes], start: int, most: int) -> tuple[bytes, int, int] | None: ...
+    def chunks(self, payloads: list[bytes], start: int, most: int) -> Run | None: ...
     def truncate(self, note: str) -> bytes: ...
     def finish(self, cost_nano: int) -> bytes: ...
     def keepalive(self) -> bytes: ...

@@ -22,7 +22,7 @@ from kiln.catalog import Model
 from kiln.core import errors
 from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
-from kiln.protocols.base import Context, Reply, Step, as_bool
+from kiln.protocols.base import Context, Reply, Run, Step, as_bool
 from kiln.protocols.openai.errors import openai_error, openai_stream_error
 from kiln.upstream import in_stream_error
 
@@ -120,6 +120,48 @@ def stream_flag(body: dict[str, Any]) -> bool:
     return stream
 
 
+TEXT_KEYS = ("content", "reasoning", "reasoning_content")  # a delta's text: the answer, or its reasoning
+
+
+def text_run(payloads: list[bytes], start: int, most: int) -> tuple[list[tuple[str, str]], Any, int]:
+    """The run of plain text deltas from `start` (at most `most`): chat chunks with one choice
+    whose delta is one text field (content, or reasoning under either of its names), a
+    non-empty string, and no finish reason. Returns (field, text) for each, the last `usage`
+    object among them (raw: continuous usage stats put one on every chunk), and how many.
+    The first payload that is anything else ends the run; the caller takes it on its own
+    (chunk), where every check and error of the full path applies."""
+    texts: list[tuple[str, str]] = []
+    usage = None
+    end = min(len(payloads), start + most)
+    i = start
+    loads = orjson.loads
+    while i < end:
+        payload = payloads[i]
+        if payload[:1] != b"{" or payload.startswith(b'{"error"'):
+            break
+        try:
+            data = loads(payload)
+        except orjson.JSONDecodeError:
+            break
+        choices = data.get("choices") if type(data) is dict else None
+        if type(choices) is not list or len(choices) != 1:
+            break
+        choice = choices[0]
+        if type(choice) is not dict or choice.get("finish_reason") is not None:
+            break
+        delta = choice.get("delta")
+        if type(delta) is not dict or len(delta) != 1:
+            break
+        field, text = next(iter(delta.items()))
+        if field not in TEXT_KEYS or type(text) is not str or not text:
+            break
+        texts.append((field, text))
+        if "usage" in data:
+            usage = data["usage"]
+        i += 1
+    return texts, usage, i - start
+
+
 class ChatBacked(ABC):
     """Shared upstream side; a protocol implements `request`, `_chunk`, `_response` and its output."""
 
@@ -137,11 +179,12 @@ class ChatBacked(ABC):
             raise in_stream_error(backend_json(payload))
         return self._chunk(payload)
 
-    def chunks(self, payloads: list[bytes], start: int, most: int) -> tuple[bytes, int, int] | None:
+    def chunks(self, payloads: list[bytes], start: int, most: int) -> Run | None:
         """Several payloads of a read at once, from `start`: the longest run of them, `most` at
-        most, that needs no look inside (no usage, no end, no error), as (frames, output pieces,
-        how many), which is what `chunk` would give for each, joined; None: take the next one
-        by one. It changes no state and looks at no payload beyond the run it takes, so going
+        most, that holds nothing but output (no end, no error, no usage of the held-back kind),
+        as (frames, the latest usage among them, output pieces, how many), which is what `chunk`
+        would give for each, joined; it advances the translator as those calls would. None: take
+        the next one by one. It looks at no payload beyond the run and one past it, so going
         through a read costs what the read is long (`most` lets the caller stop at a budget)."""
         return None
 

@@ -90,6 +90,30 @@ class Blocks:
         # The most frequent event of all: its bytes from a template, not a dict.
         self._out.append(_TEXT_DELTA % (len(self.blocks) - 1, orjson.dumps(text)))
 
+    def text_run(self, texts: list[tuple[str, str]]) -> None:
+        """Text deltas in a row, (field, text) as chat_backed.text_run gives them: what `reasoning`
+        and `text` do for each, with the answer's deltas written in one pass once its block is open."""
+        i, n = 0, len(texts)
+        while i < n:
+            field, text = texts[i]
+            i += 1
+            if field != "content":
+                self.reasoning(text)
+                continue
+            self.text(text)
+            if self._open != "text":
+                continue
+            index = len(self.blocks) - 1
+            j = i
+            while j < n and texts[j][0] == "content":
+                j += 1
+            if j > i:
+                run = [t for _, t in texts[i:j]]
+                if self.keep_text:
+                    self.texts[index].extend(run)
+                self._out += [_TEXT_DELTA % (index, orjson.dumps(t)) for t in run]
+                i = j
+
     def tool_call(self, entry: dict[str, Any]) -> None:
         """One `tool_calls` delta entry (several may share an index; the name may come first)."""
         position = entry.get("index", 0)

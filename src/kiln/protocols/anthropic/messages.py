@@ -23,9 +23,12 @@ from kiln.core.records import Usage
 from kiln.protocols import capabilities
 from kiln.protocols.anthropic.blocks import Blocks
 from kiln.protocols.anthropic.request import Prompt, build_chat, estimate_tokens
-from kiln.protocols.base import JSON, Context, Reply, Step, UpstreamCall, new_id, positive_int, prompt_of, sse_event
+from kiln.protocols.base import (
+    JSON, Context, Reply, Run, Step, UpstreamCall, new_id, positive_int, prompt_of, sse_event,
+)
 from kiln.protocols.chat_backed import (
-    ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag, text_of, tool_calls_of,
+    ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag, text_of, text_run,
+    tool_calls_of,
 )
 from kiln.protocols.stop import StopMatcher, cut_at_stop
 from kiln.upstream import overflow_tokens
@@ -163,6 +166,21 @@ class MessagesTranslator(ChatBacked):
         assert self._blocks is not None
         said = self._choice(choices[0], part_of(choices[0], "delta"))
         return head + self._blocks.take(), usage, 1 if said else 0, self._stop_sequence is not None
+
+    def chunks(self, payloads: list[bytes], start: int, most: int) -> Run | None:
+        """Mid-stream, a run of plain text deltas (chat_backed.text_run) in one tight loop, each
+        still its own content_block_delta event. Not with stop sequences: those need each piece
+        looked at where it may end the output."""
+        if not self._started or self._matcher is not None or self._blocks is None:
+            return None
+        texts, reported, taken = text_run(payloads, start, most)
+        if not taken:
+            return None
+        usage = Usage.from_openai(reported) if reported is not None else None
+        if usage is not None:
+            self._usage = usage
+        self._blocks.text_run(texts)
+        return self._blocks.take(), usage, taken, taken
 
     def finish(self, usage: Usage, cost_nano: int) -> bytes:
         assert self._blocks is not None

@@ -18,7 +18,7 @@ import orjson
 from kiln.core import errors
 from kiln.core.money import nano_to_usd_str
 from kiln.core.records import Usage
-from kiln.protocols.base import Context, Step, as_bool
+from kiln.protocols.base import Context, Run, Step, as_bool
 from kiln.protocols.chat_backed import ChatBacked, backend_json, choices_of, malformed
 
 DONE = b"data: [DONE]\n\n"
@@ -37,13 +37,18 @@ def _finish_in(payload: bytes) -> str | None:
 
 
 _JOIN = b"\n\ndata: "
+_OBJECTS = b"}" + _JOIN + b"{"  # a boundary between two JSON objects
+_USAGE = b'"usage"'
+_ERROR = b'{"error"'
+_FINISH = b'"finish_reason":"'
 
 
-def _looked_into(payload: bytes, ending: bool) -> bool:
-    """A payload the pass-through stream must look at on its own: usage, an error, anything but
-    an object ([DONE]), and while no output has ended, a finish reason."""
-    return (payload[:1] != b"{" or payload[-1:] != b"}" or b'"usage"' in payload or payload.startswith(b'{"error"')
-            or (ending and b'"finish_reason":"' in payload))
+def _objects(payloads: list[bytes], start: int, end: int) -> int:
+    """How many payloads from `start` (before `end`) are JSON objects, up to the first that is not."""
+    i = start
+    while i < end and payloads[i][:1] == b"{" and payloads[i][-1:] == b"}":
+        i += 1
+    return i - start
 
 
 def usage_counts(u: Usage) -> dict[str, Any]:
@@ -151,25 +156,39 @@ class Passthrough(ChatBacked):
                 break
         return b"data: " + payload + b"\n\n", usage, pieces, False
 
-    def chunks(self, payloads: list[bytes], start: int, most: int) -> tuple[bytes, int, int] | None:
-        """Mid-stream, bytes passing through: a quick look at each payload of the run, then one
-        join, one scan and one rename for all of it."""
+    def chunks(self, payloads: list[bytes], start: int, most: int) -> Run | None:
+        """Mid-stream, bytes passing through: the run joined once, then a few scans of the joined
+        bytes (in C) find where it must stop, instead of a look at each payload in Python: before
+        the first usage, error or (while no output has ended) finish reason, and before the first
+        payload that is not a JSON object. JSON escapes every quote inside a string, so these
+        markers can only be the chunk's own keys, never text the model wrote."""
         if not self._named or self._parses():
             return None
-        end, stop = start, min(len(payloads), start + most)
-        ending = self._finish_reason is None  # the first finish reason must be noted, by chunk()
-        while end < stop and not _looked_into(payloads[end], ending):
-            end += 1
-        taken = end - start
+        stop = min(len(payloads), start + most)
+        if stop - start < 2:
+            return None
+        raw = _JOIN.join(payloads[start:stop])
+        cut = len(raw)
+        for marker in (_USAGE, _ERROR, _FINISH) if self._finish_reason is None else (_USAGE, _ERROR):
+            at = raw.find(marker, 0, cut)
+            if at >= 0:
+                cut = raw.rfind(_JOIN, 0, at)  # the boundary before the payload that holds it
+                if cut < 0:
+                    return None
+        if cut < len(raw):
+            raw = raw[:cut]
+        taken = raw.count(_JOIN) + 1
+        if raw.count(_OBJECTS) != taken - 1 or raw[:1] != b"{" or raw[-1:] != b"}":
+            taken = _objects(payloads, start, start + taken)  # rare: [DONE] or garbage in the run
+            raw = _JOIN.join(payloads[start:start + taken])
         if taken < 2:
             return None
-        raw = _JOIN.join(payloads[start:end])
         if self._model_from:
             raw = raw.replace(self._model_from, self._model_to)
         pieces = taken
         for pattern in self.empty_piece:
             pieces -= raw.count(pattern)
-        return b"data: " + raw + b"\n\n", pieces, taken
+        return b"data: " + raw + b"\n\n", None, pieces, taken
 
     def _parsed(self, data: dict[str, Any]) -> Step:
         usage = Usage.from_openai(data["usage"]) if "usage" in data else None

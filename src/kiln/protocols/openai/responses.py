@@ -24,9 +24,9 @@ import orjson
 
 from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
-from kiln.protocols.base import SSE, Context, Reply, Step, UpstreamCall, new_id, prompt_of
+from kiln.protocols.base import SSE, Context, Reply, Run, Step, UpstreamCall, new_id, prompt_of
 from kiln.protocols.chat_backed import (
-    ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag,
+    ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag, text_run,
 )
 from kiln.protocols.openai.errors import openai_error
 from kiln.protocols.openai.passthrough import cost_fragment
@@ -108,6 +108,18 @@ class ResponsesTranslator(ChatBacked):
         assert self._events is not None
         out, said = self._events.feed(choices[0], part_of(choices[0], "delta"))
         return out, usage, 1 if said else 0, False
+
+    def chunks(self, payloads: list[bytes], start: int, most: int) -> Run | None:
+        """Mid-stream, a run of plain text deltas (chat_backed.text_run) in one tight loop, each
+        still its own event with its own sequence number."""
+        events = self._events
+        if events is None or not events.started:
+            return None
+        texts, reported, taken = text_run(payloads, start, most)
+        if not taken:
+            return None
+        usage = Usage.from_openai(reported) if reported is not None else None
+        return events.text_run(texts), usage, taken, taken
 
     def finish(self, usage: Usage, cost_nano: int) -> bytes:
         """Close the last item and end with the final response (token counts, no cost)."""

@@ -176,6 +176,32 @@ class EventStream:
             self.finish_reason = choice["finish_reason"]
         return b"".join(out), bool(thought or text or calls)
 
+    def text_run(self, texts: list[tuple[str, str]]) -> bytes:
+        """Text deltas in a row, (field, text) as chat_backed.text_run gives them: what `feed`
+        makes of each, with the answer's deltas written in one pass once its item is open."""
+        out: list[bytes] = []
+        i, n = 0, len(texts)
+        while i < n:
+            field, text = texts[i]
+            i += 1
+            kind = "message" if field == "content" else "reasoning"
+            out.append(self._text(kind, text))
+            if kind != "message":
+                continue
+            j = i
+            while j < n and texts[j][0] == "content":
+                j += 1
+            if j > i:
+                item = self._open
+                assert item is not None
+                run = [t for _, t in texts[i:j]]
+                item.text.extend(run)
+                seq, self.seq = self.seq, self.seq + len(run)
+                ident = orjson.dumps(item.item_id)
+                out += [_TEXT_DELTA % (seq + k, ident, item.output_index, orjson.dumps(t)) for k, t in enumerate(run)]
+                i = j
+        return b"".join(out)
+
     def close(self) -> bytes:
         """Close the item still open at the end of the generation."""
         return self._close()
