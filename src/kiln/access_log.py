@@ -11,7 +11,6 @@ keeps only the gateway's and the backends' failures and "error" turns the log of
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import logging
 import re
@@ -27,6 +26,7 @@ import orjson
 from kiln.config import LogSettings
 from kiln.core.money import nano_to_usd_str
 from kiln.core.records import ApiKey, UsageEvent
+from kiln.running import running_loop
 
 _json = True
 _out: IO[str] = sys.stderr
@@ -102,7 +102,7 @@ def _write(line: str) -> None:
     if _flush_scheduled:
         return
     try:
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
     except RuntimeError:  # no event loop (a command-line tool, a test): at once
         flush()
         return

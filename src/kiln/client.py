@@ -24,6 +24,8 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kiln.running import running_loop
+
 HIGH_WATER = 256 * 1024  # bytes of a stream held unread before the socket stops being read
 
 
@@ -98,7 +100,7 @@ class Pool:
                 + b"\r\nContent-Length: %d\r\n" % length + self._fixed + extra + b"\r\n")
 
     async def _acquire(self, reuse: bool) -> Connection:
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         while True:
             while reuse and self._idle:
                 conn = self._idle.pop()
@@ -175,7 +177,7 @@ class Connection(asyncio.Protocol):
         self.pool = pool
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.loop = asyncio.get_running_loop()
+        self.loop = running_loop()
         self.idle_since = self.wait_since = 0.0
         self.watchdog: asyncio.TimerHandle | None = None
         self.uses = 0

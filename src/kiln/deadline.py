@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import asyncio
 
+from kiln.running import running_loop
+
 
 class Deadline:
     """`with Deadline(seconds):` — None: no limit, but `expire()` can still end the block."""
@@ -20,8 +22,8 @@ class Deadline:
 
     def __init__(self, seconds: float | None) -> None:
         self.expired = False
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
+        self._loop = running_loop()
+        self._task = asyncio.current_task(self._loop)
         self._active = False
         self._cancelling = 0
         self._handle: asyncio.Handle | None = None

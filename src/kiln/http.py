@@ -16,6 +16,7 @@ from starlette.types import Receive, Scope, Send
 from kiln.core import errors
 from kiln.core.errors import GatewayError
 from kiln.deadline import Deadline
+from kiln.running import current_task, running_loop
 
 Write = Callable[[bytes], Awaitable[None]]
 
@@ -101,7 +102,7 @@ class DisconnectGuard:
     __slots__ = ("task", "fired", "_armed", "_watcher", "_hook")
 
     def __init__(self, receive: Receive, scope: Scope | None = None) -> None:
-        self.task = asyncio.current_task()
+        self.task = current_task()
         self.fired = False
         self._armed = True
         self._watcher: asyncio.Future[None] | None = None
@@ -109,7 +110,7 @@ class DisconnectGuard:
         if self._hook is None:
             self._watcher = asyncio.ensure_future(self._watch(receive))
         elif self._hook.lost:  # gone already: cancel once the block is waiting, as a watcher would
-            asyncio.get_running_loop().call_soon(self._fire)
+            running_loop().call_soon(self._fire)
         else:
             self._hook.callbacks.append(self._fire)
 
@@ -211,7 +212,7 @@ class StreamOut:
         self.last = time.monotonic()
         self.keepalive = keepalive
         self.every_s = keepalive_s
-        self.loop = asyncio.get_running_loop()
+        self.loop = running_loop()
         self.beating: asyncio.Future[None] | None = None
         self.timer: asyncio.TimerHandle | None = self.loop.call_later(keepalive_s, self._tick)
 

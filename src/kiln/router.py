@@ -39,6 +39,7 @@ from kiln.core import errors
 from kiln.core.errors import GatewayError
 from kiln.deadline import Deadline
 from kiln.health import DOWN, EJECTED, HEALTHY, Ejection, Outcome
+from kiln.running import running_loop
 from kiln.upstream import Upstream
 
 log = logging.getLogger("kiln.router")
@@ -132,7 +133,7 @@ class Router:
 
     async def acquire(self, model: Model, affinity: str | None, exclude: Sequence[Backend] = ()) -> Lease:
         """A lease on a backend; waits up to queue_timeout_s while all are full, then 503."""
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         deadline = loop.time() + self.routing.queue_timeout_s
         while True:
             backend = self.pick(model, affinity, exclude)

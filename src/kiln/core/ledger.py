@@ -37,6 +37,7 @@ import orjson
 from kiln.core import errors
 from kiln.core.records import UsageEvent
 from kiln.core.spool import Spool
+from kiln.running import running_loop
 from kiln.store.base import CreditBalances, Store, event_json
 
 log = logging.getLogger("kiln.ledger")
@@ -126,7 +127,7 @@ class Ledger:
     def submit(self, event: UsageEvent) -> asyncio.Future[None]:
         """Queue an event; the future resolves once it is durable, or fails with a 503 once it
         waited `wait_s` for a store that cannot write (the event stays queued)."""
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = running_loop().create_future()
         self._queue.append((event, fut, time.monotonic()))
         self._idle.clear()
         self._wake.set()

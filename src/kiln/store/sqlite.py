@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from kiln.core.records import ApiKey, Org, Project, UsageEvent
+from kiln.running import running_loop
 from kiln.store.base import (
     Balances,
     CreditBalances,
@@ -72,7 +73,7 @@ class SQLiteStore:
         self._jobs = 0  # calls handed to the thread and not yet back
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        loop = asyncio.get_running_loop()
+        loop = running_loop()
         self._jobs += 1
         try:
             return await loop.run_in_executor(self._pool, self._call, fn)
