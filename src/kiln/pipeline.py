@@ -262,53 +262,58 @@ class Gateway:
 
     async def _pump(self, run: _Run, out: StreamOut) -> bytes | Response:
         """Backend SSE -> client frames; meter before the last byte, whatever happens. Returns
-        the last frames (the usage and end events, or the error), which end the response, or
-        an error response if the backend failed before the 200 went out.
+        the last frames (the last output, the usage and end events, or the error), which end the
+        response, or an error response if the backend failed before the 200 went out.
 
-        If the backend takes longer than a keepalive interval to answer, the 200 goes out
-        with a keepalive meanwhile, and its refusal then comes in the stream."""
+        The 200 goes out with the first frames, not when the backend's headers arrive: one
+        write, not two, and a backend that fails before its first token gets the client a
+        plain error status. If the backend takes longer than a keepalive interval, the 200
+        goes out with a keepalive meanwhile, and a refusal then comes in the stream."""
         tr = run.tr
         resp: client.Response | None = None
         left = True  # the client went away (this task was cancelled) unless we learn otherwise
+        last: bytes | None = b""  # the last read's frames, held for the end of the response
         try:
             try:
                 with Deadline(run.deadline - time.monotonic()):  # one timer for the whole stream
                     resp = await self._send(run)
-                    await out.start()
-                    finished = await self._forward(run, resp, out.write)
+                    last = await self._forward(run, resp, out.write)
             except TimeoutError:
                 raise errors.timeout(REQUEST_TIMEOUT) from None
-            if not finished:
+            if last is None:
+                last = b""
                 raise errors.bad_gateway("The model backend ended the stream early.")
             left = False
             event, usage = await self._meter(run)
             self._observe(run, 200)
-            return tr.finish(usage, event.cost_nano)
+            return last + tr.finish(usage, event.cost_nano)
         except GatewayError as err:
             left = False
-            if not out.committed():  # the backend failed before the 200 went out
+            if not last and not out.committed():  # the backend failed before the 200 went out
                 return await self._failed(run, err)
             run.outcome = outcome_of(err)
             await self._meter(run, status="timeout" if err.status == 504 else "error")
             self._observe(run, 200, metrics.error_type(err.status, err.backend))
-            return tr.stream_error(err)
+            return last + tr.stream_error(err)
         except Exception:
             left = False
             log.exception("internal error in a %s stream (%s)", tr.endpoint, run.generation_id)
-            if not out.committed():
+            if not last and not out.committed():
                 return await self._failed(run, errors.internal())
             run.outcome = Outcome.CANCELLED  # a defect of ours says nothing about the backend
             await self._meter(run, status="error")
             self._observe(run, 200, "internal")
-            return tr.stream_error(errors.internal())
+            return last + tr.stream_error(errors.internal())
         finally:
             if resp is not None:
                 resp.close()  # cancels the generation on the backend if it is still running
             if left:  # bill what was generated, off the response path but tracked
                 self.spawn(self._cut(run))
 
-    async def _forward(self, run: _Run, resp: client.Response, write: Write) -> bool:
-        """Forward the stream; True once the translator needs no more of it."""
+    async def _forward(self, run: _Run, resp: client.Response, write: Write) -> bytes | None:
+        """Forward the stream until the translator needs no more of it; then the frames of the
+        last read, not yet written (they go out with the end of the response: one write, not
+        two), or None if the backend's stream ended first."""
         tr, ticket = run.tr, run.ticket
         waiting = time.monotonic()
         async for batch in self.upstream.events(resp):
@@ -345,11 +350,14 @@ class Gateway:
             except GatewayError:  # what came before the error still goes out
                 await self._write(run, write, frames)
                 raise
-            await self._write(run, write, frames)
             if done:
-                return True
+                last = b"".join(frames)
+                if last and run.ttft_ms is None:
+                    run.ttft_ms = (time.monotonic() - run.started) * 1000
+                return last
+            await self._write(run, write, frames)
             waiting = time.monotonic()
-        return False
+        return None
 
     @staticmethod
     async def _write(run: _Run, write: Write, frames: list[bytes]) -> None:
