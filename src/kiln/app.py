@@ -29,7 +29,7 @@ from kiln.core.clock import CLOCK, Clock
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
 from kiln.core.money import nano_to_usd_str
-from kiln.http import StreamResponse
+from kiln.http import JSONAnswer, StreamResponse
 from kiln.pipeline import Gateway, MakeTranslator
 from kiln.protocols.anthropic.count_tokens import CountTokensTranslator
 from kiln.protocols.anthropic.messages import MessagesTranslator, anthropic_error
@@ -84,7 +84,7 @@ class KilnApp:
             await self.inner(scope, receive, send)
             return
         gw: Gateway = self.state.gateway
-        response: Response | StreamResponse
+        response: Response | JSONAnswer | StreamResponse
         if scope["method"] != "POST":
             response = _reply(make(gw.ctx).error(GatewayError(
                 405, f"Method {scope['method']} is not allowed on {scope['path']}; use POST.",

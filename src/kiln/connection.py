@@ -41,7 +41,7 @@ import httptools
 import orjson
 
 from kiln.forwarded import Trusted
-from kiln.http import DISCONNECT, Disconnect
+from kiln.http import BODY, DISCONNECT, Disconnect
 
 log = logging.getLogger("kiln.server")
 
@@ -223,6 +223,7 @@ class ClientConnection(asyncio.Protocol):
             self.shared.trusted.apply(scope, self.forwarded)
         keep_alive = version != "1.0" and parser.should_keep_alive() and not parser.should_upgrade()
         exchange = Exchange(self, scope, keep_alive, self.expect_continue)
+        scope[BODY] = exchange.arrived
         if self.exchange is None:
             self._start(exchange)
         else:  # pipelined behind a response in progress: read no further until it is served
@@ -383,6 +384,17 @@ class Exchange:
         while not self.disconnected and not self.complete:
             await self._wait()
         return {"type": "http.disconnect"}
+
+    def arrived(self) -> bytes | None:
+        """The whole body, taken, if it has all arrived and none of it was read; else None (then
+        `receive` reads it). The common request comes in one read with its head: its body is
+        ready when the app starts, and reading it needs no wait and no timer."""
+        if self.ended or self.more_body or self.disconnected or self.expect_continue:
+            return None
+        chunks, self.body, self.buffered = self.body, [], 0
+        self.ended = True
+        self.conn._resume_reading()
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def _wait(self) -> None:
         self.waiter = self.conn.loop.create_future()

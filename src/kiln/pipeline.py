@@ -45,7 +45,7 @@ from kiln.core.ledger import Ledger, new_generation_id
 from kiln.core.maintenance import Maintenance
 from kiln.core.records import ApiKey, Usage, UsageEvent
 from kiln.deadline import Deadline
-from kiln.http import DisconnectGuard, StreamOut, StreamResponse, Write, read_body
+from kiln.http import DisconnectGuard, JSONAnswer, StreamOut, StreamResponse, Write, read_body
 from kiln.protocols.base import Context, Translator, UpstreamCall
 from kiln.health import Outcome
 from kiln.router import Lease, Router, outcome_of
@@ -138,7 +138,7 @@ class Gateway:
 
     # -- the request ----------------------------------------------------------------
 
-    async def handle(self, request: Request, make: MakeTranslator) -> Response | StreamResponse:
+    async def handle(self, request: Request, make: MakeTranslator) -> Response | JSONAnswer | StreamResponse:
         started = time.monotonic()
         tr = make(self.ctx)
         trace = tracing.begin(request.headers, tr.endpoint)
@@ -211,7 +211,7 @@ class Gateway:
         resp, run.lease = await self.router.send(call.model, call.affinity, post, call.stream)
         return resp
 
-    async def _complete(self, run: _Run, request: Request) -> Response:
+    async def _complete(self, run: _Run, request: Request) -> Response | JSONAnswer:
         """Non-streaming: one upstream JSON body, cancelled if the client leaves."""
         try:
             with DisconnectGuard(request.receive, request.scope) as guard:
@@ -231,7 +231,7 @@ class Gateway:
             headers[CAPPED_HEADER] = str(run.call.max_output_tokens)
         body = run.tr.render(usage, event.cost_nano)
         self._observe(run, 200)
-        return Response(body, media_type="application/json", headers=headers)
+        return JSONAnswer(body, headers)
 
     async def _fetch(self, run: _Run) -> bytes:
         """The backend's JSON answer; assembled from its stream when it was asked to stream."""
