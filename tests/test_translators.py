@@ -264,9 +264,16 @@ def test_sse_parser_gives_the_same_payloads_however_the_bytes_arrive(name: str) 
     b"data: a\n\ndata: b\n\n", b"data: a\n\ndata:b\n\n", b"data: a\ndata: b\n\n", b"data: a\n\n\n\ndata: b\n\n",
     b"data: \n\n", b"data: a\n\n: comment\n\n", b"data: a\n\nevent: x\ndata: b\n\n", b"data: a\r\n\r\n",
     b"data:  two spaces\n\n", b"data: a\n\ndata: b\n\ndata: [DONE]\n\n",
+    b"data: a\n\ndata: b\n\ndata: c", b"data: a\n\ndata: b\n\nda", b"data: a\n\ndata: b\n\ndata: c\r",
+    b"data: a\n\ndata: b\n\ndata: c\n", b"data: a", b"data: a\n\n\n",
 ])
 def test_the_sse_fast_path_reads_what_the_general_path_reads(piece: bytes) -> None:
-    assert SSEParser(1 << 20).feed(piece) == SSEParser(1 << 20)._feed(piece)
+    """Whole events, and a read that ends mid-event (large reads do): the same payloads, and the
+    same rest kept for the next read, as the general path gives."""
+    fast, general = SSEParser(1 << 20), SSEParser(1 << 20)
+    assert fast.feed(piece) == general._events(piece)
+    assert fast._buf == general._buf
+    assert fast.feed(b"x\n\n") == general.feed(b"x\n\n")
 
 
 def test_sse_parser_refuses_an_event_over_the_limit_on_either_path() -> None:

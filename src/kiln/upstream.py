@@ -231,24 +231,34 @@ class SSEParser:
         self._buf = bytearray()
 
     def feed(self, piece: bytes) -> list[bytes]:
-        if not self._buf and piece[:6] == b"data: " and piece[-2:] == b"\n\n" and len(piece) <= self.max_event_bytes:
-            # The common read: whole events of one `data: ` line each (a backend flushes each
-            # event as it is made). One split, and a count that proves every event is one line;
-            # a payload that starts with more spaces is stripped of them all (the general path).
-            events = piece[6:-2].split(b"\n\ndata: ")
-            if piece.count(b"\n") == 2 * len(events) and b"\r" not in piece and b"data:  " not in piece:
-                return events
-        return self._feed(piece)
-
-    def _feed(self, piece: bytes) -> list[bytes]:
         buf = self._buf
-        scan = max(len(buf) - 3, 0)  # an event end may straddle the old bytes and the new
-        buf += piece
-        if buf.find(b"\n\n", scan) < 0 and (b"\r" not in piece or buf.find(b"\r\n\r\n", scan) < 0):
-            if len(buf) > self.max_event_bytes:
-                raise errors.bad_gateway(f"The model backend sent an event larger than {self.max_event_bytes} bytes.")
-            return []
-        text = bytes(buf)
+        if buf:
+            scan = max(len(buf) - 3, 0)  # an event end may straddle the old bytes and the new
+            buf += piece
+            if buf.find(b"\n\n", scan) < 0 and (b"\r" not in piece or buf.find(b"\r\n\r\n", scan) < 0):
+                self._bound(len(buf))
+                return []
+            data = bytes(buf)
+            self._buf = bytearray()
+        else:
+            data = piece
+        end = data.rfind(b"\n\n") + 2  # the events that are complete; the rest waits for its end
+        whole = data if end == len(data) else data[:end]
+        if end > 1 and whole[:6] == b"data: " and len(whole) <= self.max_event_bytes and b"\r" not in whole:
+            # The common read: whole events of one `data: ` line each (a backend flushes each
+            # event as it is made; a large read ends mid-event). One split, and a count that
+            # proves every event is one line; a payload that starts with more spaces is stripped
+            # of them all (the general path).
+            events = whole[6:-2].split(b"\n\ndata: ")
+            if whole.count(b"\n") == 2 * len(events) and b"data:  " not in whole:
+                if end < len(data):
+                    self._buf = bytearray(data[end:])
+                    self._bound(len(self._buf))
+                return events
+        return self._events(data)
+
+    def _events(self, text: bytes) -> list[bytes]:
+        """Every complete event of `text`, one at a time (comments, other fields, CRLF); the rest kept."""
         if b"\r" in text:
             text = text.replace(b"\r\n", b"\n")
         out: list[bytes] = []
@@ -257,14 +267,18 @@ class SSEParser:
             end = text.find(b"\n\n", start)
             if end < 0:
                 break
-            if end - start > self.max_event_bytes:
-                raise errors.bad_gateway(f"The model backend sent an event larger than {self.max_event_bytes} bytes.")
+            self._bound(end - start)
             for line in text[start:end].split(b"\n"):
                 if line.startswith(b"data:"):
                     out.append(line[5:].lstrip(b" "))
             start = end + 2
         self._buf = bytearray(text[start:])
+        self._bound(len(self._buf))
         return out
+
+    def _bound(self, size: int) -> None:
+        if size > self.max_event_bytes:
+            raise errors.bad_gateway(f"The model backend sent an event larger than {self.max_event_bytes} bytes.")
 
 
 def _with_key(backend: Backend, headers: dict[str, str]) -> dict[str, str]:
