@@ -64,14 +64,15 @@ class Cluster:
         return r.status_code, [p if p == "[DONE]" else json.loads(p) for p in payloads]
 
 
-def cluster_toml(sims: dict[str, Sim], routing: str = "", backend: dict[str, str] | None = None) -> str:
+def cluster_toml(sims: dict[str, Sim], routing: str = "", backend: dict[str, str] | None = None,
+                 keepalive_s: float = 0.5) -> str:
     backends = "".join(
         f'\n[[models.backends]]\nurl = "{s.url}/v1"\nmodel = "{UPSTREAM}"\n{(backend or {}).get(name, "")}\n'
         for name, s in sims.items()
     )
     return f"""
 [server]
-keepalive_s = 0.5
+keepalive_s = {keepalive_s}
 backend_retry_s = 0.5
 
 [limits]
@@ -92,14 +93,14 @@ prices = {{ input = "1", output = "2" }}
 
 @contextlib.contextmanager
 def cluster(names: str, sim_args: dict[str, list[str]] | None = None, routing: str = "",
-            backend: dict[str, str] | None = None) -> Iterator[Cluster]:
+            backend: dict[str, str] | None = None, keepalive_s: float = 0.5) -> Iterator[Cluster]:
     """Simulators named by the letters of `names`, behind one gateway; everything stopped after."""
     sims: dict[str, Sim] = {}
     gw: Gateway | None = None
     try:
         for name in names:
             sims[name] = start_sim("--id", name, *(sim_args or {}).get(name, []))
-        gw = start_gateway(cluster_toml(sims, routing, backend))
+        gw = start_gateway(cluster_toml(sims, routing, backend, keepalive_s))
         yield Cluster(gw, sims, gw.new_key(credits="1000"))
     finally:
         if gw is not None:
@@ -187,33 +188,60 @@ def test_beyond_max_in_flight_a_request_waits_then_gets_503_in_its_protocol() ->
 # -- failover -----------------------------------------------------------------------------------
 
 
+def _kill_under_load(c: Cluster, wait_s: float) -> tuple[int, list[tuple[int, list[Any]]]]:
+    """Six streams and twelve JSON requests in flight on three replicas (2 s to the first token),
+    replica c killed `wait_s` after they all arrived, six more JSON requests after it: every JSON
+    request succeeds. Returns how many streams c held and the streams' outcomes."""
+    victim = c.sims["c"]
+    with ThreadPoolExecutor(24) as pool:
+        streams = [pool.submit(c.stream, f"stream {i}") for i in range(6)]
+        wait_for(lambda: sum(s.stats()["in_flight"] for s in c.sims.values()) >= 6, 20, "streams in flight")
+        plain = [pool.submit(c.chat, f"json {i}") for i in range(12)]
+        wait_for(lambda: sum(s.stats()["in_flight"] for s in c.sims.values()) >= 18, 20, "all in flight")
+        time.sleep(wait_s)
+        on_victim = [e["body"] for e in victim.requests()]
+        victim_streams = sum(1 for b in on_victim if b.get("stream"))
+        assert victim_streams >= 1 and len(on_victim) > victim_streams, "the victim must hold both kinds"
+        victim.proc.kill()
+        victim.proc.wait()
+        late = [pool.submit(c.chat, f"late {i}") for i in range(6)]
+        assert [f.result().status_code for f in plain + late] == [200] * 18
+        outcomes = [f.result() for f in streams]
+    assert all(status == 200 for status, _ in outcomes)
+    assert wait_for(lambda: c.backends()["c"]["state"] == "down", 10, "the victim to be down")
+    return victim_streams, outcomes
+
+
+def _errors(payloads: list[Any]) -> bool:
+    return any(isinstance(x, dict) and "error" in x for x in payloads)
+
+
 def test_killed_backend_loses_no_request_that_had_not_started_streaming() -> None:
-    """Three replicas under load, one killed: every JSON request and every stream that was not on
-    the victim succeeds; the victim's streams end with an in-stream error event."""
+    """Three replicas under load, one killed: every JSON request succeeds, and so does every stream
+    that had received nothing yet (no output, no keepalive: its 200 had not gone out), those on the
+    victim included: they move to another replica."""
+    with cluster("abc", {n: ["--ttft-ms", "2000"] for n in "abc"}, routing="affinity = false",
+                 keepalive_s=30) as c:
+        victim_streams, outcomes = _kill_under_load(c, wait_s=0)
+        assert victim_streams >= 1
+        for _, payloads in outcomes:
+            assert payloads and payloads[-1] == "[DONE]" and not _errors(payloads), payloads
+        events = [e for e in c.tenant.usage() if e["streamed"]]
+        assert len(events) == 6 and all(e["status"] == "ok" for e in events)
+        assert not any(c.sims["c"].url.split("//")[1] in (e["backend"] or "") for e in events), \
+            "the streams the victim held were served by another replica"
+        assert "before its first output" in c.gw.log.read_text()
+
+
+def test_a_stream_whose_200_went_out_ends_with_an_error_when_its_backend_dies() -> None:
+    """Once a stream's 200 has gone out (here with its keepalives, 0.5 s apart), a failure of its
+    backend ends it with an in-stream error event, never a clean end; the other streams complete."""
     with cluster("abc", {n: ["--ttft-ms", "2000"] for n in "abc"}, routing="affinity = false") as c:
-        victim = c.sims["c"]
-        with ThreadPoolExecutor(24) as pool:
-            streams = [pool.submit(c.stream, f"stream {i}") for i in range(6)]
-            wait_for(lambda: sum(s.stats()["in_flight"] for s in c.sims.values()) >= 6, 20, "streams in flight")
-            plain = [pool.submit(c.chat, f"json {i}") for i in range(12)]
-            wait_for(lambda: sum(s.stats()["in_flight"] for s in c.sims.values()) >= 18, 20, "all in flight")
-            on_victim = [e["body"] for e in victim.requests()]
-            victim_streams = sum(1 for b in on_victim if b.get("stream"))
-            assert victim_streams >= 1 and len(on_victim) > victim_streams, "the victim must hold both kinds"
-            victim.proc.kill()
-            victim.proc.wait()
-            late = [pool.submit(c.chat, f"late {i}") for i in range(6)]
-            assert [f.result().status_code for f in plain + late] == [200] * 18
-            outcomes = [f.result() for f in streams]
-        assert all(status == 200 for status, _ in outcomes)
-        broken = [p for _, p in outcomes if any(isinstance(x, dict) and "error" in x for x in p)]
-        complete = [p for _, p in outcomes if p and p[-1] == "[DONE]" and not any(
-            isinstance(x, dict) and "error" in x for x in p)]
+        victim_streams, outcomes = _kill_under_load(c, wait_s=1.0)
+        broken = [p for _, p in outcomes if _errors(p)]
+        complete = [p for _, p in outcomes if p and p[-1] == "[DONE]" and not _errors(p)]
         assert len(broken) == victim_streams, (len(broken), victim_streams)
         assert len(complete) == 6 - victim_streams
-        for payloads in broken:
-            assert payloads[-1] != "[DONE]" or any("error" in x for x in payloads if isinstance(x, dict))
-        assert c.backends()["c"]["state"] == "down"
 
 
 def test_503_fails_over_and_ejects_the_backend_until_it_recovers() -> None:

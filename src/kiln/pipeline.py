@@ -82,6 +82,7 @@ class _Run:
     metered: tuple[UsageEvent, Usage] | None = None  # the event, once recorded
     lease: Lease | None = None  # the backend's in-flight slot, released with the outcome in _release
     streamed: bool = False  # the backend was asked to stream (kiln.backends: also for some JSON clients)
+    read_any: bool = False  # a stream's backend sent events (else a failure may move it to another backend)
     outcome: Outcome = Outcome.OK  # what the request says of the backend's health
 
 
@@ -194,8 +195,9 @@ class Gateway:
 
     # -- calling the backend ------------------------------------------------
 
-    async def _send(self, run: _Run) -> client.Response:
-        """POST to a backend the router chooses; it fails over before the first byte."""
+    async def _send(self, run: _Run, failed: list[Backend] | None = None) -> client.Response:
+        """POST to a backend the router chooses (none of `failed`); it fails over before the
+        backend's answer starts."""
         call = run.call
 
         async def post(backend: Backend) -> client.Response:
@@ -208,7 +210,7 @@ class Gateway:
             finally:
                 run.backend_s += time.monotonic() - sent
 
-        resp, run.lease = await self.router.send(call.model, call.affinity, post, call.stream)
+        resp, run.lease = await self.router.send(call.model, call.affinity, post, call.stream, failed or ())
         return resp
 
     async def _complete(self, run: _Run, request: Request) -> Response | JSONAnswer:
@@ -276,8 +278,18 @@ class Gateway:
         try:
             try:
                 with Deadline(run.deadline - time.monotonic()):  # one timer for the whole stream
-                    resp = await self._send(run)
-                    last = await self._forward(run, resp, out.write)
+                    failed: list[Backend] = []
+                    while True:
+                        resp = await self._send(run, failed)
+                        try:
+                            last = await self._forward(run, resp, out.write)
+                            break
+                        except GatewayError as err:
+                            if not self._may_move(run, out, err, failed):
+                                raise
+                            resp.close()
+                            resp = None
+                            self._moved(run, err, failed)
             except TimeoutError:
                 raise errors.timeout(REQUEST_TIMEOUT) from None
             if last is None:
@@ -310,6 +322,25 @@ class Gateway:
             if left:  # bill what was generated, off the response path but tracked
                 self.spawn(self._cut(run))
 
+    def _may_move(self, run: _Run, out: StreamOut, err: GatewayError, failed: list[Backend]) -> bool:
+        """Whether a stream whose backend failed can move to another one: it failed before sending
+        anything (nothing was read from it, nothing reached the client), and another backend is
+        left within `retries`."""
+        if not err.backend or run.read_any or out.started or run.backend is None:
+            return False
+        if len(failed) >= self.settings.routing.retries:
+            return False
+        return any(b is not run.backend and b not in failed for b in run.call.model.backends)
+
+    def _moved(self, run: _Run, err: GatewayError, failed: list[Backend]) -> None:
+        backend, lease = run.backend, run.lease
+        assert backend is not None and lease is not None
+        log.warning("backend %s failed %s before its first output (%s); moving it to another backend",
+                    access_log.safe_url(backend.url), run.generation_id, err.message)
+        lease.release(outcome_of(err), error=err.message)
+        run.lease = None
+        failed.append(backend)
+
     async def _forward(self, run: _Run, resp: client.Response, write: Write) -> bytes | None:
         """Forward the stream until the translator needs no more of it; then the frames of the
         last read, not yet written (they go out with the end of the response: one write, not
@@ -318,6 +349,7 @@ class Gateway:
         waiting = time.monotonic()
         async for batch in self.upstream.events(resp):
             run.backend_s += time.monotonic() - waiting
+            run.read_any = True
             # One write for all that arrived in one read: far fewer syscalls under load.
             frames: list[bytes] = []
             done = False

@@ -190,16 +190,17 @@ class Router:
     # -- sending, with failover ------------------------------------------------------
 
     async def send(self, model: Model, affinity: str | None, post: Callable[[Backend], Awaitable[Response]],
-                   stream: bool) -> tuple[Response, Lease]:
+                   stream: bool, exclude: Sequence[Backend] = ()) -> tuple[Response, Lease]:
         """`post(backend)` on a chosen backend until one answers 200; the response and its lease.
 
         Before any byte reaches the client, a failure that says another
         backend may take the request (a refused connection, a connection
         closed or no headers in time, 502/503/504) moves it on, at most
         `retries` times; a 4xx or another 5xx is the answer. The error
-        raised is the last backend's, mapped for the client.
+        raised is the last backend's, mapped for the client. `exclude`:
+        backends that already failed this request.
         """
-        tried: list[Backend] = []
+        tried: list[Backend] = list(exclude)
         last: GatewayError | None = None
         for _ in range(self.routing.retries + 1):
             try:
