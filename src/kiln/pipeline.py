@@ -292,6 +292,7 @@ class Gateway:
                             self._moved(run, err, failed)
             except TimeoutError:
                 raise errors.timeout(REQUEST_TIMEOUT) from None
+            out.stop_keepalives()  # the last frames wait for the commit: nothing may come between
             if last is None:
                 last = b""
                 raise errors.bad_gateway("The model backend ended the stream early.")
