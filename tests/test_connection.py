@@ -122,6 +122,13 @@ def test_connection_close_from_the_client_closes_after_the_answer(wire: Wire, te
     assert status == 200 and headers.get("connection") == "close" and wire.closed()
 
 
+def test_bytes_after_a_closing_request_do_not_spoil_its_answer(wire: Wire, tenant: Tenant) -> None:
+    wire.send(chat(tenant.key, extra=b"Connection: close\r\n") + b"GET /health HTTP/1.1\r\nHost: kiln\r\n\r\n")
+    status, headers, body = wire.answer("POST")
+    assert status == 200 and json.loads(body)["object"] == "chat.completion"
+    assert headers.get("connection") == "close" and wire.closed()
+
+
 def test_a_stream_is_chunked_and_the_connection_serves_the_next_request(wire: Wire, tenant: Tenant) -> None:
     body = json.dumps({"model": QWEN, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5,
                        "stream": True}).encode()

@@ -108,6 +108,10 @@ class ClientConnection(asyncio.Protocol):
         self.app_state = app_state or {}
         self.loop = _loop or asyncio.get_event_loop()
         self.parser = httptools.HttpRequestParser(self)
+        try:  # bytes after a request that closes the connection are ignored, not a 400 mid-answer
+            self.parser.set_dangerous_leniencies(lenient_data_after_close=True)
+        except AttributeError:  # httptools < 0.6.3
+            pass
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.exchange: Exchange | None = None  # the request whose response is being sent
         self.pipeline: deque[Exchange] = deque()  # requests that arrived behind it
