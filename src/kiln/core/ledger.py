@@ -136,9 +136,10 @@ class Ledger:
     async def record(self, event: UsageEvent) -> None:
         """Queue an event and wait until it is durable (at most `wait_s`, then a 503).
 
-        Shielded: a client that goes away mid-wait does not cancel the commit.
-        """
-        await asyncio.shield(self.submit(event))
+        A client that goes away mid-wait cancels only its wait: the event stays queued and is
+        committed (the writer and the wait bound skip a future that is done), so no shield,
+        and its second future and callbacks, is needed."""
+        await self.submit(event)
 
     # -- the writer ------------------------------------------------------------------
 
