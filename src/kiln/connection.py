@@ -48,8 +48,7 @@ log = logging.getLogger("kiln.server")
 SWEEP_EVERY_S = 0.5
 BODY_HIGH_WATER = 64 * 1024  # request body bytes buffered unread before the socket stops being read
 ASGI = {"version": "3.0", "spec_version": "2.3"}
-STATUS_LINES = {code: b"HTTP/1.1 %d %s\r\n" % (code, http.HTTPStatus(code).phrase.encode())
-                for code in range(100, 600) if code in http.HTTPStatus._value2member_map_}
+STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
 _BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')  # what no header name may hold
 _BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")  # nor a value (a tab may)
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -124,7 +123,6 @@ class ClientConnection(asyncio.Protocol):
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
         self.expect_continue = False
-        self.forwarded: list[tuple[bytes, bytes]] | None = None
         self.server: tuple[str, int] | None = None
         self.client: tuple[str, int] | None = None
         self.scheme = "http"
@@ -187,7 +185,6 @@ class ClientConnection(asyncio.Protocol):
         self.url = b""
         self.headers = []
         self.expect_continue = False
-        self.forwarded = None
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -197,8 +194,6 @@ class ClientConnection(asyncio.Protocol):
         value = value.rstrip(b" \t")  # llhttp keeps trailing whitespace, which is not the value's (RFC 9110 5.5)
         if name == b"expect" and value.lower() == b"100-continue":
             self.expect_continue = True
-        elif self.trusted and name[:12] == b"x-forwarded-":
-            self.forwarded = (self.forwarded or []) + [(name, value)]
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
@@ -223,8 +218,8 @@ class ClientConnection(asyncio.Protocol):
             "query_string": url.query or b"", "headers": self.headers,
             "state": dict(self.app_state) if self.app_state else {}, DISCONNECT: self.lost,
         }
-        if self.forwarded is not None:
-            self.shared.trusted.apply(scope, self.forwarded)
+        if self.trusted:
+            self.shared.trusted.apply(scope, self.headers)
         keep_alive = version != "1.0" and parser.should_keep_alive() and not parser.should_upgrade()
         exchange = Exchange(self, scope, keep_alive, self.expect_continue)
         scope[BODY] = exchange.arrived
@@ -380,11 +375,8 @@ class Exchange:
                 self.conn._resume_reading()
                 await self._wait()
             if self.body or not (self.disconnected or self.complete):
-                chunks, self.body, self.buffered = self.body, [], 0
-                self.conn._resume_reading()
                 self.ended = not self.more_body
-                body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                return {"type": "http.request", "body": body, "more_body": self.more_body}
+                return {"type": "http.request", "body": self._take(), "more_body": self.more_body}
         while not self.disconnected and not self.complete:
             await self._wait()
         return {"type": "http.disconnect"}
@@ -395,8 +387,12 @@ class Exchange:
         ready when the app starts, and reading it needs no wait and no timer."""
         if self.ended or self.more_body or self.disconnected or self.expect_continue:
             return None
-        chunks, self.body, self.buffered = self.body, [], 0
         self.ended = True
+        return self._take()
+
+    def _take(self) -> bytes:
+        """The body that has arrived and not been read; reading goes on."""
+        chunks, self.body, self.buffered = self.body, [], 0
         self.conn._resume_reading()
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 

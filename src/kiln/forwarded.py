@@ -24,10 +24,11 @@ class Trusted:
             if item == "*":
                 self.everyone = True
             elif item:
-                try:
-                    self.networks.append(ipaddress.ip_network(item)) if "/" in item else self.hosts.add(item)
-                except ValueError:
-                    self.hosts.add(item)  # a literal, e.g. a unix socket's name
+                network = _network(item) if "/" in item else None
+                if network is None:
+                    self.hosts.add(item)  # an address, or a literal such as a unix socket's name
+                else:
+                    self.networks.append(network)
 
     def __contains__(self, host: object) -> bool:
         if self.everyone or host in self.hosts:
@@ -40,11 +41,11 @@ class Trusted:
             return False
         return any(address in network for network in self.networks)
 
-    def apply(self, scope: dict[str, Any], forwarded: list[tuple[bytes, bytes]]) -> None:
-        """The scheme from X-Forwarded-Proto; the client from X-Forwarded-For: the nearest hop
-        that is not itself a trusted proxy."""
+    def apply(self, scope: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> None:
+        """From a trusted peer's request `headers`: the scheme from X-Forwarded-Proto; the client
+        from X-Forwarded-For, the nearest hop that is not itself a trusted proxy."""
         hops: list[str] = []
-        for name, value in forwarded:
+        for name, value in headers:
             if name == b"x-forwarded-proto":
                 proto = value.decode("latin1").strip()
                 if proto in ("http", "https"):
@@ -55,3 +56,10 @@ class Trusted:
             return
         client = hops[0] if self.everyone else next((h for h in reversed(hops) if h not in self), hops[0])
         scope["client"] = (client, 0)
+
+
+def _network(spec: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network | None:
+    try:
+        return ipaddress.ip_network(spec)
+    except ValueError:
+        return None

@@ -146,6 +146,11 @@ class DisconnectGuard:
         return False
 
 
+def _raw_headers(headers: dict[str, str]) -> list[tuple[bytes, bytes]]:
+    """Headers as ASGI sends them: lower-case names, latin-1 bytes."""
+    return [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in headers.items()]
+
+
 class JSONAnswer:
     """A 200 with a JSON body and a few headers: what Starlette's Response sends for it, without
     building its header list through MutableHeaders on the hot path's every answer."""
@@ -158,8 +163,7 @@ class JSONAnswer:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw = [(b"content-length", b"%d" % len(self.body)), (b"content-type", b"application/json")]
-        raw += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in self.headers.items()]
-        await send({"type": "http.response.start", "status": 200, "headers": raw})
+        await send({"type": "http.response.start", "status": 200, "headers": raw + _raw_headers(self.headers)})
         await send({"type": "http.response.body", "body": self.body})
 
 
@@ -194,8 +198,7 @@ class StreamResponse:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                       (b"x-accel-buffering", b"no")]
-        raw_headers += [(k.lower().encode(), v.encode()) for k, v in self.headers.items()]
+                       (b"x-accel-buffering", b"no"), *_raw_headers(self.headers)]
         out = StreamOut(send, raw_headers, self.keepalive, self.keepalive_s)
         try:
             with DisconnectGuard(receive, scope) as guard:

@@ -274,7 +274,7 @@ class Gateway:
         tr = run.tr
         resp: client.Response | None = None
         left = True  # the client went away (this task was cancelled) unless we learn otherwise
-        last: bytes | None = b""  # the last read's frames, held for the end of the response
+        last = b""  # the last read's frames, held for the end of the response
         try:
             try:
                 with Deadline(run.deadline - time.monotonic()):  # one timer for the whole stream
@@ -293,9 +293,6 @@ class Gateway:
             except TimeoutError:
                 raise errors.timeout(REQUEST_TIMEOUT) from None
             out.stop_keepalives()  # the last frames wait for the commit: nothing may come between
-            if last is None:
-                last = b""
-                raise errors.bad_gateway("The model backend ended the stream early.")
             left = False
             event, usage = await self._meter(run)
             self._observe(run, 200)
@@ -342,10 +339,10 @@ class Gateway:
         run.lease = None
         failed.append(backend)
 
-    async def _forward(self, run: _Run, resp: client.Response, write: Write) -> bytes | None:
+    async def _forward(self, run: _Run, resp: client.Response, write: Write) -> bytes:
         """Forward the stream until the translator needs no more of it; then the frames of the
         last read, not yet written (they go out with the end of the response: one write, not
-        two), or None if the backend's stream ended first."""
+        two). A backend stream that ends first is a 502."""
         tr, ticket = run.tr, run.ticket
         waiting = time.monotonic()
         async for batch in self.upstream.events(resp):
@@ -390,7 +387,7 @@ class Gateway:
                 return last
             await self._write(run, write, frames)
             waiting = time.monotonic()
-        return None
+        raise errors.bad_gateway("The model backend ended the stream early.")
 
     @staticmethod
     async def _write(run: _Run, write: Write, frames: list[bytes]) -> None:

@@ -198,22 +198,16 @@ class Events:
         return self
 
     async def __anext__(self) -> list[bytes]:
-        parser = self.parser
-        try:
-            while not self.ended:
+        while not self.ended:
+            try:
                 piece = await self.resp.piece()
-                if not piece:
-                    self.ended = True
-                    break
-                events = parser.feed(piece)
-                if events:
-                    return events
-        except _BROKEN as exc:
-            self.ended = True
-            raise _mapped(exc, "mid-stream") from None
-        if parser is not None:
-            self.parser = None  # type: ignore[assignment]
-            events = parser.feed(b"\n\n")  # an event the backend did not end with a blank line
+            except _BROKEN as exc:
+                self.ended = True
+                raise _mapped(exc, "mid-stream") from None
+            if not piece:
+                self.ended = True
+                piece = b"\n\n"  # ends an event the backend did not end with a blank line
+            events = self.parser.feed(piece)
             if events:
                 return events
         raise StopAsyncIteration

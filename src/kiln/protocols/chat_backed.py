@@ -123,13 +123,13 @@ def stream_flag(body: dict[str, Any]) -> bool:
 TEXT_KEYS = ("content", "reasoning", "reasoning_content")  # a delta's text: the answer, or its reasoning
 
 
-def text_run(payloads: list[bytes], start: int, most: int) -> tuple[list[tuple[str, str]], Any, int]:
+def text_run(payloads: list[bytes], start: int, most: int) -> tuple[list[tuple[str, str]], Usage | None, int]:
     """The run of plain text deltas from `start` (at most `most`): chat chunks with one choice
     whose delta is one text field (content, or reasoning under either of its names), a
-    non-empty string, and no finish reason. Returns (field, text) for each, the last `usage`
-    object among them (raw: continuous usage stats put one on every chunk), and how many.
-    The first payload that is anything else ends the run; the caller takes it on its own
-    (chunk), where every check and error of the full path applies."""
+    non-empty string, and no finish reason. Returns (field, text) for each, the usage the last
+    of them reported (continuous usage stats put one on every chunk), and how many. The first
+    payload that is anything else ends the run; the caller takes it on its own (chunk), where
+    every check and error of the full path applies."""
     texts: list[tuple[str, str]] = []
     usage = None
     end = min(len(payloads), start + most)
@@ -159,7 +159,7 @@ def text_run(payloads: list[bytes], start: int, most: int) -> tuple[list[tuple[s
         if "usage" in data:
             usage = data["usage"]
         i += 1
-    return texts, usage, i - start
+    return texts, Usage.from_openai(usage) if usage is not None else None, i - start
 
 
 class ChatBacked(ABC):

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -93,26 +95,19 @@ class Blocks:
     def text_run(self, texts: list[tuple[str, str]]) -> None:
         """Text deltas in a row, (field, text) as chat_backed.text_run gives them: what `reasoning`
         and `text` do for each, with the answer's deltas written in one pass once its block is open."""
-        i, n = 0, len(texts)
-        while i < n:
-            field, text = texts[i]
-            i += 1
-            if field != "content":
-                self.reasoning(text)
+        for name, group in groupby(texts, key=itemgetter(0)):
+            run = [text for _, text in group]
+            if name != "content":
+                for text in run:
+                    self.reasoning(text)
                 continue
-            self.text(text)
-            if self._open != "text":
-                continue
-            index = len(self.blocks) - 1
-            j = i
-            while j < n and texts[j][0] == "content":
-                j += 1
-            if j > i:
-                run = [t for _, t in texts[i:j]]
+            while run and self._open != "text":  # whitespace alone opens no block: one by one until one opens
+                self.text(run.pop(0))
+            if run:
+                index = len(self.blocks) - 1
                 if self.keep_text:
                     self.texts[index].extend(run)
-                self._out += [_TEXT_DELTA % (index, orjson.dumps(t)) for t in run]
-                i = j
+                self._out += [_TEXT_DELTA % (index, orjson.dumps(text)) for text in run]
 
     def tool_call(self, entry: dict[str, Any]) -> None:
         """One `tool_calls` delta entry (several may share an index; the name may come first)."""

@@ -173,10 +173,9 @@ class MessagesTranslator(ChatBacked):
         looked at where it may end the output."""
         if not self._started or self._matcher is not None or self._blocks is None:
             return None
-        texts, reported, taken = text_run(payloads, start, most)
+        texts, usage, taken = text_run(payloads, start, most)
         if not taken:
             return None
-        usage = Usage.from_openai(reported) if reported is not None else None
         if usage is not None:
             self._usage = usage
         self._blocks.text_run(texts)

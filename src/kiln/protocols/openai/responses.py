@@ -115,10 +115,9 @@ class ResponsesTranslator(ChatBacked):
         events = self._events
         if events is None or not events.started:
             return None
-        texts, reported, taken = text_run(payloads, start, most)
+        texts, usage, taken = text_run(payloads, start, most)
         if not taken:
             return None
-        usage = Usage.from_openai(reported) if reported is not None else None
         return events.text_run(texts), usage, taken, taken
 
     def finish(self, usage: Usage, cost_nano: int) -> bytes:

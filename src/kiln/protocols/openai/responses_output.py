@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from itertools import groupby
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -180,26 +182,19 @@ class EventStream:
         """Text deltas in a row, (field, text) as chat_backed.text_run gives them: what `feed`
         makes of each, with the answer's deltas written in one pass once its item is open."""
         out: list[bytes] = []
-        i, n = 0, len(texts)
-        while i < n:
-            field, text = texts[i]
-            i += 1
-            kind = "message" if field == "content" else "reasoning"
-            out.append(self._text(kind, text))
-            if kind != "message":
+        for name, group in groupby(texts, key=itemgetter(0)):
+            run = [text for _, text in group]
+            if name != "content":
+                out += [self._text("reasoning", text) for text in run]
                 continue
-            j = i
-            while j < n and texts[j][0] == "content":
-                j += 1
-            if j > i:
-                item = self._open
-                assert item is not None
-                run = [t for _, t in texts[i:j]]
-                item.text.extend(run)
-                seq, self.seq = self.seq, self.seq + len(run)
-                ident = orjson.dumps(item.item_id)
-                out += [_TEXT_DELTA % (seq + k, ident, item.output_index, orjson.dumps(t)) for k, t in enumerate(run)]
-                i = j
+            out.append(self._text("message", run[0]))  # opens the message item if need be
+            item = self._open
+            assert item is not None
+            rest = run[1:]
+            item.text.extend(rest)
+            seq, self.seq = self.seq, self.seq + len(rest)
+            ident = orjson.dumps(item.item_id)
+            out += [_TEXT_DELTA % (seq + k, ident, item.output_index, orjson.dumps(t)) for k, t in enumerate(rest)]
         return b"".join(out)
 
     def close(self) -> bytes:
