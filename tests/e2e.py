@@ -106,7 +106,12 @@ def upstream_bodies(ns: LoopbackNamespace, sim_url: str) -> list[dict[str, Any]]
 
 
 def ledger_rows(data_dir: Path) -> list[sqlite3.Row]:
-    """The gateway's usage events, read from its SQLite file."""
+    """The gateway's usage events, read from its SQLite file once its ledger journal is empty
+    (journaled events are committed within milliseconds; this test cannot reach the gateway's
+    HTTP reads, which would commit them at once)."""
+    deadline = time.monotonic() + 10
+    while any(p.stat().st_size for p in (data_dir / "journal").glob("*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.01)
     with sqlite3.connect(data_dir / "kiln.db") as db:
         db.row_factory = sqlite3.Row
         return db.execute("SELECT * FROM usage_events ORDER BY created_at").fetchall()

@@ -331,12 +331,36 @@ def test_client_leaving_mid_stream_is_billed_for_what_was_generated(tenant: Tena
 # -- durability -----------------------------------------------------------------------------
 
 
-def test_event_is_in_the_sqlite_file_when_the_json_response_arrives(tenant: Tenant) -> None:
+def journaled(data_dir: Path) -> dict[str, dict[str, Any]]:
+    """The usage events in the ledger's journal (appended, not yet committed), by id."""
+    events = {}
+    for segment in sorted((data_dir / "journal").glob("*.jsonl")):
+        for line in segment.read_bytes().splitlines():
+            event = json.loads(line)
+            events[event["id"]] = event
+    return events
+
+
+def durable_cost(data_dir: Path, gen_id: str) -> int:
+    """The event's cost where it is durable: committed to the SQLite file, or in the journal."""
+    row = db_event(data_dir, gen_id)
+    if row is None:
+        row = journaled(data_dir).get(gen_id)
+    assert row is not None, "the usage event was not durable before the response"
+    return int(row["cost_nano"])
+
+
+def test_event_is_durable_when_the_json_response_arrives(tenant: Tenant) -> None:
     r, data = post_json(tenant, chat_body())
-    row = db_event(tenant.gw.data_dir, r.headers["x-neocloud-generation-id"])
-    assert row is not None, "the usage event was not committed before the response"
-    assert Decimal(row["cost_nano"]) * NANO == data["usage"]["cost"]
-    assert row["key_id"] == tenant.key_id
+    gen_id = r.headers["x-neocloud-generation-id"]
+    assert Decimal(durable_cost(tenant.gw.data_dir, gen_id)) * NANO == data["usage"]["cost"]
+    # Reading usage commits what is journaled first: the client sees its event at once.
+    with tenant.http() as c:
+        stats = c.get("/v1/generation", params={"id": gen_id})
+    assert stats.status_code == 200
+    assert json.loads(stats.content, parse_float=Decimal)["data"]["total_cost"] == data["usage"]["cost"]
+    row = db_event(tenant.gw.data_dir, gen_id)
+    assert row is not None and row["key_id"] == tenant.key_id
     assert row["prompt_tokens"] == data["usage"]["prompt_tokens"]
 
 
@@ -350,6 +374,7 @@ def test_generation_ids_sort_in_the_order_the_requests_were_made(tenant: Tenant)
         made.append(r.headers["x-neocloud-generation-id"])
         time.sleep(0.002)  # ids are ordered to the millisecond, random within one
     assert len(set(made)) == 5
+    assert len(tenant.usage()) == 5  # reads commit what is journaled
     db = sqlite3.connect(f"file:{tenant.gw.data_dir / 'kiln.db'}?mode=ro", uri=True)
     try:
         stored = [row[0] for row in db.execute("SELECT id FROM usage_events WHERE key_id = ? ORDER BY id",
@@ -359,7 +384,7 @@ def test_generation_ids_sort_in_the_order_the_requests_were_made(tenant: Tenant)
     assert stored == made
 
 
-def test_event_is_in_the_sqlite_file_when_the_stream_ends(tenant: Tenant) -> None:
+def test_event_is_durable_when_the_stream_ends(tenant: Tenant) -> None:
     with tenant.http() as c, c.stream("POST", "/v1/chat/completions",
                                       json=chat_body(stream=True, stream_options={"include_usage": True})) as r:
         gen_id = r.headers["x-neocloud-generation-id"]
@@ -369,10 +394,8 @@ def test_event_is_in_the_sqlite_file_when_the_stream_ends(tenant: Tenant) -> Non
                 usage = json.loads(line[6:], parse_float=Decimal)["usage"]
                 if usage and "cost" in usage:
                     saw_cost = usage["cost"]
-                    # The cost chunk is sent after the commit: the row must already be there.
-                    row = db_event(tenant.gw.data_dir, gen_id)
-                    assert row is not None, "usage chunk sent before the event was committed"
-                    assert Decimal(row["cost_nano"]) * NANO == saw_cost
+                    # The cost chunk is sent once the event is durable.
+                    assert Decimal(durable_cost(tenant.gw.data_dir, gen_id)) * NANO == saw_cost
     assert saw_cost is not None
 
 
@@ -400,6 +423,10 @@ class Restartable:
         self.proc: subprocess.Popen[Any] | None = None
         self.gw: Gateway | None = None
         self.starts = 0
+
+    def set_server(self, lines: str) -> None:
+        """More [server] settings for the next start."""
+        self.config.write_text(self.config.read_text().replace("[server]\n", f"[server]\n{lines}\n", 1))
 
     def start(self) -> Gateway:
         port = free_port()
@@ -503,3 +530,74 @@ def test_suspension_and_limits_survive_a_restart(restartable: Restartable) -> No
     with httpx.Client(base_url=gw.url) as c:
         assert c.post("/v1/chat/completions", json=chat_body(),
                       headers={"Authorization": f"Bearer {t.key}"}).status_code == 200
+
+
+# -- the journal: durable before the commit ---------------------------------------------------
+
+def _cost_nano(data: dict[str, Any]) -> int:
+    return int(data["usage"]["cost"] / NANO)
+
+
+def test_journaled_events_survive_sigkill_before_their_commit(restartable: Restartable) -> None:
+    """With commits held back (a 60 s linger), the responses' events are only in the journal when
+    the gateway is killed; the next start commits them before it serves: each bills once."""
+    restartable.set_server("ledger_linger_s = 60")
+    gw = restartable.start()
+    t = gw.new_key(credits="3")
+    r1, d1 = post_json(t, chat_body("one"))
+    r2, chunks, _ = post_stream(t, chat_body("two", stream_options={"include_usage": True}))
+    ids = [r1.headers["x-neocloud-generation-id"], r2.headers["x-neocloud-generation-id"]]
+    costs = [_cost_nano(d1), int(chunks[-1]["usage"]["cost"] / NANO)]
+    assert all(db_event(gw.data_dir, i) is None for i in ids), "the commit was held back"
+    journal = journaled(gw.data_dir)
+    assert [journal[i]["cost_nano"] for i in ids] == costs
+    restartable.stop(kill=True)
+
+    gw = restartable.start()
+    t.gw = gw
+    assert [int(db_event(gw.data_dir, i)["cost_nano"]) for i in ids] == costs  # type: ignore[index]
+    assert journaled(gw.data_dir) == {}, "the journal was emptied once committed"
+    org = gw.admin.get(f"/orgs/{t.org_id}").json()
+    assert org["usage_events"] == 2
+    assert int(Decimal(org["credits"]) / NANO) == 3_000_000_000 - sum(costs)
+    assert int(Decimal(org["total_spend"]) / NANO) == sum(costs)
+    with httpx.Client(base_url=gw.url, headers={"Authorization": f"Bearer {t.key}"}) as c:
+        assert int(Decimal(c.get("/v1/key").json()["spend"]) / NANO) == sum(costs)
+
+
+def test_an_event_both_committed_and_journaled_bills_once(restartable: Restartable) -> None:
+    """A crash between a commit and the journal's truncation leaves committed events in it: the
+    store inserts each generation id once, so replaying them bills nothing twice."""
+    restartable.set_server("ledger_linger_s = 60")
+    gw = restartable.start()
+    t = gw.new_key(credits="3")
+    r, data = post_json(t, chat_body())
+    gen_id = r.headers["x-neocloud-generation-id"]
+    line = next(seg.read_bytes() for seg in (gw.data_dir / "journal").glob("*.jsonl") if seg.stat().st_size)
+    assert gen_id.encode() in line
+    with t.http() as c:  # a read commits it
+        assert c.get("/v1/generation", params={"id": gen_id}).status_code == 200
+    assert db_event(gw.data_dir, gen_id) is not None
+    restartable.stop()
+    (gw.data_dir / "journal" / "000000999999.jsonl").write_bytes(line)
+
+    gw = restartable.start()
+    org = gw.admin.get(f"/orgs/{t.org_id}").json()
+    assert org["usage_events"] == 1
+    assert int(Decimal(org["credits"]) / NANO) == 3_000_000_000 - _cost_nano(data)
+    assert journaled(gw.data_dir) == {}
+
+
+def test_reads_of_usage_see_every_journaled_event(restartable: Restartable) -> None:
+    """The org's totals, the usage list and summary, and GET /v1/generation each commit what is
+    journaled before they read, whatever the linger."""
+    restartable.set_server("ledger_linger_s = 60")
+    gw = restartable.start()
+    t = gw.new_key(credits="3")
+    total = sum(_cost_nano(post_json(t, chat_body(f"read {i}"))[1]) for i in range(3))
+    assert int(Decimal(gw.admin.get(f"/orgs/{t.org_id}").json()["total_spend"]) / NANO) == total
+    post_json(t, chat_body("one more"))
+    assert len(gw.admin.get("/usage", params={"org_id": t.org_id}).json()["data"]) == 4
+    post_json(t, chat_body("and another"))
+    rows = gw.admin.get("/usage/summary", params={"org_id": t.org_id}).json()["data"]
+    assert rows[0]["requests"] == 5

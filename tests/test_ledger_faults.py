@@ -137,16 +137,21 @@ def test_disk_full_503s_after_a_bounded_wait_and_recovers(sim: Sim, small_disk: 
         body = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
         client = t.http()
         assert client.post("/v1/chat/completions", json=body).status_code == 200
+        assert len(t.usage()) == 1  # committed (reads commit what is journaled): the disk fills after it
         filler = small_disk / "filler"
         subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=64k"], capture_output=True)  # until ENOSPC
-        answers: list[tuple[int, float, str]] = []
+        answers: list[tuple[int, float, str, str | None]] = []  # status, waited, body, generation id
         for _ in range(400):  # SQLite reuses its WAL's pages until the WAL must grow
             started = time.monotonic()
             r = client.post("/v1/chat/completions", json=body)
-            answers.append((r.status_code, time.monotonic() - started, r.text))
+            answers.append((r.status_code, time.monotonic() - started, r.text,
+                            r.headers.get("x-neocloud-generation-id")))
             if r.status_code == 503:
                 break
-        status, waited, text = answers[-1]
+        # Journal and database on the full disk: the first 503 waited for its commit (its event
+        # stays queued, so it has a generation id).
+        status, waited, text, failed_id = answers[-1]
+        assert failed_id is not None, answers[-3:]
         assert status == 503 and "ledger" in text, answers[-3:]
         assert waited < 6, "the request waited a bounded time, it did not hang"
         health = httpx.get(gw.url + "/health", timeout=5)
@@ -155,15 +160,16 @@ def test_disk_full_503s_after_a_bounded_wait_and_recovers(sim: Sim, small_disk: 
         refused = client.post("/v1/chat/completions", json=body)
         assert refused.status_code == 503 and refused.headers["retry-after"]
         assert time.monotonic() - started < 1, "new requests are refused at once while the ledger cannot write"
-        served = sum(1 for s, _, _ in answers if s == 200) + 1
+        served = sum(1 for s, _, _, _ in answers if s == 200) + 1
         filler.unlink()
         wait_for(lambda: httpx.get(gw.url + "/health", timeout=5).status_code == 200, timeout=15,
                  what="the ledger writing again")
         assert client.post("/v1/chat/completions", json=body).status_code == 200
         # Every event is there once: those served, the one that got a 503 after its wait, the last one.
-        assert len(t.usage()) == served + 2
+        expected = served + 2
+        assert len(t.usage()) == expected
         org = t.org()
-        assert int(org["usage_events"]) == served + 2
+        assert int(org["usage_events"]) == expected
         client.close()
     finally:
         stop(gw.proc)

@@ -102,6 +102,7 @@ async def create_org(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
 
 async def get_org(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     org = gw.accounts.org(params["org_id"])
+    await gw.ledger.settled()  # the usage recorded so far is in the totals
     totals = await gw.accounts.store.usage_totals(org.id)
     return {
         **org.public(),
@@ -179,6 +180,8 @@ async def update_key(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
     unknown = set(body) - {"spend_limit", "expires_at", "name", *_KEY_LIMITS}
     if unknown:
         raise errors.invalid(f"Unknown fields: {', '.join(sorted(unknown))}.")
+    if "spend_reset" in fields:  # the key's spend this period is summed from the ledger
+        await gw.ledger.settled()
     return (await gw.accounts.update_key(params["key_id"], **fields)).public()
 
 
@@ -211,6 +214,7 @@ async def list_usage(gw: Gateway, body: dict[str, Any], params: Params) -> Any:
         limit = min(int(params.get("limit", "100")), 10_000)
     except ValueError:
         raise errors.invalid("'limit' must be an integer.", param="limit") from None
+    await gw.ledger.settled()
     events = await gw.accounts.store.list_usage(params.get("org_id"), params.get("key_id"), limit)
     return {"object": "list", "data": [e.public() for e in events]}
 

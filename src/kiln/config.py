@@ -108,6 +108,7 @@ class Settings:
     redis_prefix: str = "kiln"  # Redis key prefix: gateways sharing one prefix share limits
     database_pool: int = 4  # PostgreSQL connections per process
     ledger_wait_s: float = 10.0  # a request waits this long for its usage event to be durable, then 503
+    ledger_linger_s: float = 0.005  # SQLite: journaled usage events wait at most this long to share a commit
     shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long, then streams are cut and billed
     header_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris)
     body_timeout_s: float = 60.0  # and its body within this once the head is in
@@ -159,9 +160,9 @@ _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "log_level": str, "shutdown_grace_s": (int, float), "header_timeout_s": (int, float),
     "body_timeout_s": (int, float), "max_header_bytes": int, "max_headers": int, "max_connections": int,
     "workers": int, "redis_url": str, "redis_prefix": str, "database_pool": int,
-    "ledger_wait_s": (int, float),
+    "ledger_wait_s": (int, float), "ledger_linger_s": (int, float),
 }
-_POSITIVE_SERVER_FIELDS = ("shutdown_grace_s", "header_timeout_s", "body_timeout_s", "max_header_bytes",
+_POSITIVE_SERVER_FIELDS = ("ledger_linger_s", "shutdown_grace_s", "header_timeout_s", "body_timeout_s", "max_header_bytes",
                            "max_headers", "max_connections")
 # [routing] and per-backend fields: name -> what a valid value is
 _TIMEOUT_FIELDS = {"connect_timeout_s": "connect_s", "headers_timeout_s": "headers_s", "idle_timeout_s": "idle_s"}

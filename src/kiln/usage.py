@@ -75,6 +75,7 @@ async def generation(request: Request) -> Response:
         if not gen_id:
             raise errors.invalid("The query parameter 'id' is required: the X-Neocloud-Generation-Id of a "
                                  "response.", param="id")
+        await gw.ledger.settled()
         event = await gw.accounts.store.get_usage(gen_id)
         if event is None or event.key_id != key.id:
             raise errors.not_found(f"No generation {gen_id!r} for this API key.", param="id",
@@ -124,12 +125,14 @@ def priced(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def summary(gw: Gateway, body: dict[str, Any], params: admin.Params) -> Any:
     query = usage_query(params)
+    await gw.ledger.settled()
     rows = await gw.accounts.store.usage_summary(query)
     return {"object": "list", "by": list(query.by), "data": priced(rows)}
 
 
 async def summary_csv(gw: Gateway, body: dict[str, Any], params: admin.Params) -> Response:
     query = usage_query(params)
+    await gw.ledger.settled()
     rows = priced(await gw.accounts.store.usage_summary(query))
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\r\n")

@@ -17,6 +17,7 @@ from kiln.config import Settings
 from kiln.core.accounts import ADMIN_HASH_META, Accounts
 from kiln.core.admission import AdmissionControl, MemoryAdmission
 from kiln.core.clock import CLOCK, Clock
+from kiln.core.journal import Journal
 from kiln.core.keys import hash_key
 from kiln.core.ledger import Ledger
 from kiln.core.maintenance import Maintenance, load as load_maintenance
@@ -51,7 +52,6 @@ async def open_parts(settings: Settings, *, store: Store | None = None, admissio
 
         redis_admission = RedisAdmission(settings.redis_url, settings.limits, store, settings.redis_prefix, clock)
     accounts = Accounts(store, clock, take_balances=redis_admission is not None)
-    await accounts.load()
     spool = None
     if store.shared:  # the database may be unreachable for a while: usage waits on local disk
         spool = Spool(settings.data_dir / "spool")
@@ -63,12 +63,16 @@ async def open_parts(settings: Settings, *, store: Store | None = None, admissio
         if store.shared:  # one gateway on PostgreSQL is fine; a second one without Redis is refused
             await store.hold_sole_admission()  # type: ignore[attr-defined]
         admission = MemoryAdmission(settings.limits, clock)
-    ledger = Ledger(store, wait_s=settings.ledger_wait_s, spool=spool,
-                    dead_letter_file=settings.data_dir / "dead-letters.jsonl",
+    journal = None
+    if not store.shared and redis_admission is None and settings.sqlite_synchronous.upper() == "NORMAL":
+        journal = Journal(settings.data_dir / "journal")  # as durable as a NORMAL commit, far cheaper
+    ledger = Ledger(store, wait_s=settings.ledger_wait_s, linger_s=settings.ledger_linger_s, spool=spool,
+                    journal=journal, dead_letter_file=settings.data_dir / "dead-letters.jsonl",
                     on_commit=redis_admission.committed if redis_admission else None,
                     on_balances=accounts.take_credits if redis_admission else None, on_metrics=on_metrics)
     parts = Parts(store, accounts, admission, ledger)
-    await ledger.start()
+    await ledger.start()  # what an earlier run journaled is committed first: balances include it
+    await accounts.load()
     if redis_admission is not None:
         redis_admission.ledger = ledger
         await redis_admission.start()

@@ -1,10 +1,17 @@
 """The usage ledger: durable usage events, written by group commit.
 
-A request hands its event to `record()` and waits for the commit that
-includes it, so the event is durable before the response's last byte. One
-writer task drains everything queued while the previous commit ran into the
-next transaction: under load many requests share one commit, and an idle
-gateway commits a lone event at once.
+A request hands its event to `record()`, which returns once the event is
+durable, so it is durable before the response's last byte. One writer task
+drains everything queued while the previous commit ran into the next
+transaction: under load many requests share one commit.
+
+With a journal (the embedded store: kiln.core.journal), `record()` appends the
+event to the journal, which is as durable as a commit there, and returns; the
+writer lets journaled events gather for `linger_s` (5 ms) and commits them together.
+Reads of usage call `settled()` first, which commits at once: a client never
+reads its usage before it is in the store. Without one, `record()` waits for
+the commit that includes its event, and an idle gateway commits a lone event
+at once.
 
 No single event can wedge it: a batch the store refuses (a value it cannot
 take) is split in halves until the bad event is alone; that one is set aside
@@ -35,6 +42,7 @@ from typing import Awaitable, Callable
 import orjson
 
 from kiln.core import errors
+from kiln.core.journal import Journal
 from kiln.core.records import UsageEvent
 from kiln.core.spool import Spool
 from kiln.running import running_loop
@@ -43,9 +51,11 @@ from kiln.store.base import CreditBalances, Store, event_json
 log = logging.getLogger("kiln.ledger")
 
 MAX_BATCH = 1000
+LINGER_EVENTS = 256  # ... or until this many are queued
 STOP_TIMEOUT_S = 10.0
 LEDGER_UNAVAILABLE = "ledger_unavailable"
 OnCommit = Callable[[list[UsageEvent], CreditBalances], Awaitable[None]]
+_Entry = tuple[UsageEvent, "asyncio.Future[None] | None", float, bool]
 
 
 def new_generation_id() -> str:
@@ -58,13 +68,16 @@ def new_generation_id() -> str:
 
 
 class Ledger:
-    def __init__(self, store: Store, *, wait_s: float = 10.0, spool: Spool | None = None,
-                 dead_letter_file: Path | None = None, on_commit: OnCommit | None = None,
+    def __init__(self, store: Store, *, wait_s: float = 10.0, linger_s: float = 0.005, spool: Spool | None = None,
+                 dead_letter_file: Path | None = None, journal: Journal | None = None,
+                 on_commit: OnCommit | None = None,
                  on_balances: Callable[[CreditBalances], None] | None = None,
                  on_metrics: Callable[[float, int], None] | None = None) -> None:
         self.store = store
         self.wait_s = wait_s
+        self.linger_s = linger_s
         self.spool = spool
+        self.journal = journal
         self.dead_letter_file = dead_letter_file
         self.on_commit = on_commit  # told of each commit, after it (shared admission)
         self.on_balances = on_balances  # given the balances a commit moved, before its requests go on
@@ -72,10 +85,16 @@ class Ledger:
         self.failing_since: float | None = None  # monotonic time the writes started failing
         self.failure = ""  # why, for /health and the log
         self.stats = {"committed": 0, "spooled": 0, "dead_lettered": 0, "failed_writes": 0}
-        # Queued events with their futures and when they were queued (the bound on waiting).
-        self._queue: deque[tuple[UsageEvent, asyncio.Future[None], float]] = deque()
-        self._batch: list[tuple[UsageEvent, asyncio.Future[None], float]] = []
+        # Queued events: the event, the future its request waits on (None: journaled, nobody
+        # waits), when it was queued (the bound on waiting) and whether it is in the journal.
+        self._queue: deque[_Entry] = deque()
+        self._batch: list[_Entry] = []
+        self._queued = 0  # events queued since the start, and of those, handled by the writer:
+        self._handled = 0  # committed or set aside (`settled` waits on these counts)
+        self._waiting = 0  # queued events whose requests wait for their commit (no lingering then)
+        self._settlers: list[tuple[int, asyncio.Future[None]]] = []
         self._wake = asyncio.Event()
+        self._commit_now = asyncio.Event()  # ends a linger
         self._idle = asyncio.Event()
         self._idle.set()
         self._tasks: list[asyncio.Task[None]] = []
@@ -83,31 +102,49 @@ class Ledger:
         self._flush = asyncio.Event()
         self._spool_lock = asyncio.Lock()  # an append (in a thread) and a rotation never overlap
         self._logged_at = 0.0
+        self._journal_logged_at = 0.0
 
     async def start(self) -> None:
+        """Start the writer; what an earlier run left in the journal is in the store when this
+        returns (balances are loaded after it), or it raises."""
+        left = self.journal.open() if self.journal is not None else []
+        for event in left:
+            self._queue.append((event, None, 0.0, True))
+        self._queued += len(left)
         self._tasks = [asyncio.create_task(self._run(), name="kiln-ledger"),
                        asyncio.create_task(self._bound_waits(), name="kiln-ledger-waits")]
         if self.spool is not None:
             self._tasks.append(asyncio.create_task(self._flush_forever(), name="kiln-ledger-spool"))
             self._flush.set()  # a spool left by an earlier run is written first
+        if left:
+            try:
+                await asyncio.wait_for(self.settled(), STOP_TIMEOUT_S)
+            except (TimeoutError, errors.GatewayError):
+                await self.stop()
+                raise RuntimeError(f"the usage events left in the ledger journal cannot be committed: "
+                                   f"{self.failure}") from None
 
     async def stop(self) -> None:
         """Flush what is queued (within STOP_TIMEOUT_S), then stop; what the store never took by
         then goes to the spool, or else to the dead-letter file."""
         if not self._tasks:
             return
+        self._commit_now.set()
         try:
             await asyncio.wait_for(self._idle.wait(), STOP_TIMEOUT_S)
         except TimeoutError:
-            left = [e for e, _, _ in self._batch] + [e for e, _, _ in self._queue]
-            log.error("ledger stopping with %d events the store did not take: %s", len(left), self.failure)
-            self._keep(left)
+            left = [e for e, _, _, journaled in (*self._batch, *self._queue) if not journaled]
+            log.error("ledger stopping with %d events the store did not take: %s",
+                      len(self._batch) + len(self._queue), self.failure)
+            self._keep(left)  # the journaled ones stay in the journal for the next start
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._background, return_exceptions=True)
         self._tasks = []
         if self.spool is not None:
             self.spool.close()
+        if self.journal is not None:
+            self.journal.close()
 
     @property
     def degraded(self) -> bool:
@@ -128,18 +165,54 @@ class Ledger:
         """Queue an event; the future resolves once it is durable, or fails with a 503 once it
         waited `wait_s` for a store that cannot write (the event stays queued)."""
         fut: asyncio.Future[None] = running_loop().create_future()
-        self._queue.append((event, fut, time.monotonic()))
+        self._queue.append((event, fut, time.monotonic(), False))
+        self._queued += 1
+        self._waiting += 1
         self._idle.clear()
         self._wake.set()
+        self._commit_now.set()
         return fut
 
     async def record(self, event: UsageEvent) -> None:
-        """Queue an event and wait until it is durable (at most `wait_s`, then a 503).
+        """Make an event durable: append it to the journal, or else queue it and wait for its
+        commit (at most `wait_s`, then a 503).
 
         A client that goes away mid-wait cancels only its wait: the event stays queued and is
         committed (the writer and the wait bound skip a future that is done), so no shield,
         and its second future and callbacks, is needed."""
+        if self.journal is not None and self._journaled(event):
+            return
         await self.submit(event)
+
+    def _journaled(self, event: UsageEvent) -> bool:
+        """Append to the journal and queue for the store; False if the journal cannot write (a
+        full disk: the event then waits for its commit, which the degraded state bounds)."""
+        assert self.journal is not None
+        try:
+            self.journal.append(event)
+        except OSError as exc:
+            self._log_failure(f"the ledger journal cannot write ({exc}): usage events wait for their commit")
+            return False
+        self._queue.append((event, None, 0.0, True))
+        self._queued += 1
+        self._idle.clear()
+        self._wake.set()
+        if len(self._queue) >= LINGER_EVENTS:
+            self._commit_now.set()
+        return True
+
+    async def settled(self) -> None:
+        """Wait until every event recorded before this call is in the store (at most `wait_s`,
+        then a 503): reads of usage call this first, so a journaled event is never missed."""
+        if self._handled == self._queued:
+            return
+        fut: asyncio.Future[None] = running_loop().create_future()
+        self._settlers.append((self._queued, fut))
+        self._commit_now.set()
+        try:
+            await asyncio.wait_for(fut, self.wait_s)
+        except TimeoutError:
+            raise self.unavailable() from None
 
     # -- the writer ------------------------------------------------------------------
 
@@ -150,13 +223,52 @@ class Ledger:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if self._lingers():
+                await self._linger()
             n = min(len(self._queue), MAX_BATCH)
             self._batch = [self._queue.popleft() for _ in range(n)]
-            await self._write([e for e, _, _ in self._batch])
-            for _, fut, _ in self._batch:
-                if not fut.done():
-                    fut.set_result(None)
+            await self._write([e for e, _, _, _ in self._batch])
+            journaled = 0
+            for _, fut, _, in_journal in self._batch:
+                if in_journal:
+                    journaled += 1
+                else:
+                    self._waiting -= 1
+                    if not fut.done():  # type: ignore[union-attr]
+                        fut.set_result(None)  # type: ignore[union-attr]
             self._batch = []
+            self._handled += n
+            if journaled:
+                self._journal_done(journaled)
+            if self._settlers:
+                self._wake_settlers()
+
+    def _lingers(self) -> bool:
+        """Journaled events wait to share a commit unless a request or a read waits for them."""
+        return (self.journal is not None and not self._waiting and not self._settlers
+                and len(self._queue) < LINGER_EVENTS)
+
+    async def _linger(self) -> None:
+        self._commit_now.clear()
+        timer = running_loop().call_later(self.linger_s, self._commit_now.set)
+        await self._commit_now.wait()
+        timer.cancel()
+
+    def _journal_done(self, count: int) -> None:
+        assert self.journal is not None
+        try:
+            self.journal.done(count)
+        except OSError as exc:  # the committed events stay in a file longer: harmless (inserted once)
+            self._log_failure(f"the ledger journal cannot drop committed events ({exc})")
+
+    def _wake_settlers(self) -> None:
+        waiting = []
+        for upto, fut in self._settlers:
+            if upto > self._handled:
+                waiting.append((upto, fut))
+            elif not fut.done():
+                fut.set_result(None)
+        self._settlers = waiting
 
     async def _bound_waits(self) -> None:
         """While the store cannot write, fail the waits that passed `wait_s` (one timer for all,
@@ -166,8 +278,8 @@ class Ledger:
             if self.failing_since is None:
                 continue
             limit = time.monotonic() - self.wait_s
-            for _, fut, queued in (*self._batch, *self._queue):
-                if queued < limit and not fut.done():
+            for _, fut, queued, _ in (*self._batch, *self._queue):
+                if fut is not None and queued < limit and not fut.done():
                     fut.set_exception(self.unavailable())
 
     async def _write(self, events: list[UsageEvent]) -> None:
@@ -302,6 +414,12 @@ class Ledger:
                 self._flush.set()
 
     # -- health --------------------------------------------------------------------------
+
+    def _log_failure(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._journal_logged_at > 30:
+            self._journal_logged_at = now
+            log.error("%s", message)
 
     def _failed(self, exc: BaseException, count: int) -> None:
         self.stats["failed_writes"] += 1

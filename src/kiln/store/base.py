@@ -8,10 +8,11 @@ reach the store in batches through the ledger writer.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Protocol
 
-import json
+import orjson
 
 from kiln.core.records import ApiKey, Org, Project, UsageEvent
 
@@ -51,9 +52,13 @@ def usage_event(row: Any) -> UsageEvent:
 
 
 def event_json(event: UsageEvent) -> bytes:
-    """An event as one JSON line (the spool and the dead-letter records). The standard library's
-    encoder: it writes any integer, also the absurd ones that get an event set aside."""
-    return json.dumps(asdict(event), separators=(",", ":")).encode()
+    """An event as one JSON line (the journal, the spool and the dead-letter records): orjson (one
+    per request in the journal), or the standard library's encoder for an integer beyond 64 bits
+    (the absurd ones that get an event set aside)."""
+    try:
+        return orjson.dumps(event)
+    except orjson.JSONEncodeError:
+        return json.dumps(asdict(event), separators=(",", ":")).encode()
 
 
 def event_from_json(raw: bytes | str) -> UsageEvent:
