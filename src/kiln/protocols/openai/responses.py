@@ -34,6 +34,11 @@ from kiln.protocols.openai.responses_input import MappedRequest, map_request
 from kiln.protocols.openai.responses_output import EventStream, Items
 
 OVERFLOW = "context_length_exceeded"
+# The response object, written from bytes: the request's echoed fields are encoded once, and the
+# same skeleton serves the JSON answer, the stream's head and its final event.
+_RESPONSE = (b'{"id":"%b","object":"response","created_at":%d,"status":"%b","background":false,"error":%b,'
+             b'"incomplete_details":%b,%b,"model":%b,"output":%b,"previous_response_id":null,'
+             b'"service_tier":"default","store":false,"truncation":"disabled","usage":%b,"user":null%b}')
 
 
 class ResponsesTranslator(ChatBacked):
@@ -46,7 +51,7 @@ class ResponsesTranslator(ChatBacked):
         self._created = 0
         self._context_window = 0
         self._mapped = MappedRequest({})
-        self._echo: dict[str, orjson.Fragment] = {}  # the request fields the response repeats, encoded once
+        self._echo = b""  # the request fields the response repeats, encoded once (JSON members)
         self._items: Items | None = None
         self._events: EventStream | None = None
         self._output: list[dict[str, Any]] = []
@@ -61,7 +66,7 @@ class ResponsesTranslator(ChatBacked):
         self._mapped = mapped = map_request(body, model, self.ctx.seal)
         # Encoded now, once: every event and the final object repeat them, and a field nested too
         # deeply to re-encode is refused before anything is generated (the pipeline's 400).
-        self._echo = {name: orjson.Fragment(orjson.dumps(value)) for name, value in mapped.echo.items()}
+        self._echo = orjson.dumps(mapped.echo)[1:-1]
         self._id, self._created = new_id("resp_"), int(time.time())
         chat = mapped.body
         chat["stream"] = stream
@@ -72,7 +77,7 @@ class ResponsesTranslator(ChatBacked):
         if stream:
             alive = {"id": self._id, "object": "response", "created_at": self._created, "status": "in_progress",
                      "model": self.name}
-            self._events = EventStream(self._items, orjson.dumps(self._snapshot()), orjson.dumps(alive),
+            self._events = EventStream(self._items, self._snapshot(), orjson.dumps(alive),
                                        mapped.single_tool_call)
         cap = chat.get("max_tokens", model.max_output_tokens)
         return UpstreamCall(model, "/chat/completions", chat, stream, cap, tokenize=prompt_of(chat))
@@ -94,8 +99,7 @@ class ResponsesTranslator(ChatBacked):
         events carry token counts only (the contract)."""
         status, details, _ = self._outcome(usage, streaming=False)
         counts = {**_usage(usage), "cost": cost_fragment(cost_nano)}
-        return orjson.dumps(self._snapshot(status=status, incomplete_details=details, output=self._output,
-                                           usage=counts))
+        return self._snapshot(status, incomplete_details=details, output=self._output, usage=counts)
 
     # -- stream -----------------------------------------------------------
 
@@ -127,12 +131,10 @@ class ResponsesTranslator(ChatBacked):
         self._finish_reason = events.finish_reason
         out = events.start() + events.close()
         status, details, error = self._outcome(usage, streaming=True)
-        final = self._snapshot(status=status, incomplete_details=details, error=error, output=events.output,
-                               usage=_usage(usage))
-        if self._note:
-            final["kiln_note"] = self._note
+        final = self._snapshot(status, incomplete_details=details, error=error, output=events.output,
+                               usage=_usage(usage), note=self._note)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
-        return out + events.event(kind, response=final)
+        return out + events.event(kind, response=orjson.Fragment(final))
 
     def truncate(self, note: str) -> bytes:
         """The money ran out: end as at max tokens; finish() sends response.incomplete with the note."""
@@ -156,19 +158,19 @@ class ResponsesTranslator(ChatBacked):
         events = self._events
         assert events is not None
         code = OVERFLOW if err.code == OVERFLOW else "server_error"
-        final = self._snapshot(status="failed", error={"code": code, "message": err.message}, output=events.output)
-        return events.start() + events.event("response.failed", response=final)
+        final = self._snapshot("failed", error={"code": code, "message": err.message}, output=events.output)
+        return events.start() + events.event("response.failed", response=orjson.Fragment(final))
 
     # -- shaping ----------------------------------------------------------
 
-    def _snapshot(self, **override: Any) -> dict[str, Any]:
-        """The response object; the stream's skeleton until `override` fills it in."""
-        return {
-            "id": self._id, "object": "response", "created_at": self._created, "status": "in_progress",
-            "background": False, "error": None, "incomplete_details": None, **self._echo,
-            "model": self.name, "output": [], "previous_response_id": None, "service_tier": "default",
-            "store": False, "truncation": "disabled", "usage": None, "user": None, **override,
-        }
+    def _snapshot(self, status: str = "in_progress", *, error: dict[str, str] | None = None,
+                  incomplete_details: dict[str, str] | None = None, output: list[dict[str, Any]] | None = None,
+                  usage: dict[str, Any] | None = None, note: str = "") -> bytes:
+        """The response object, encoded; the stream's skeleton until the keywords fill it in."""
+        extra = b',"kiln_note":' + orjson.dumps(note) if note else b""
+        return _RESPONSE % (self._id.encode(), self._created, status.encode(), orjson.dumps(error),
+                            orjson.dumps(incomplete_details), self._echo, orjson.dumps(self.name),
+                            orjson.dumps(output or []), orjson.dumps(usage), extra)
 
     def _outcome(self, usage: Usage, streaming: bool) -> tuple[str, dict[str, str] | None, dict[str, str] | None]:
         """status, incomplete_details and error from how the generation ended."""
