@@ -5,9 +5,10 @@ durable, so it is durable before the response's last byte. One writer task
 drains everything queued while the previous commit ran into the next
 transaction: under load many requests share one commit.
 
-With a journal (the embedded store: kiln.core.journal), `record()` appends the
-event to the journal, which is as durable as a commit there, and returns; the
-writer lets journaled events gather for `linger_s` (5 ms) and commits them together.
+With a journal (the embedded store: kiln.core.journal), a request that would
+otherwise wait for a commit of its own appends its event to the journal, which is
+as durable as a commit there, and returns; the writer lets journaled events
+gather for `linger_s` (5 ms) and commits them together.
 Reads of usage call `settled()` first, which commits at once: a client never
 reads its usage before it is in the store. Without one, `record()` waits for
 the commit that includes its event, and an idle gateway commits a lone event
@@ -179,8 +180,14 @@ class Ledger:
 
         A client that goes away mid-wait cancels only its wait: the event stays queued and is
         committed (the writer and the wait bound skip a future that is done), so no shield,
-        and its second future and callbacks, is needed."""
-        if self.journal is not None and self._journaled(event):
+        and its second future and callbacks, is needed.
+
+        The journal serves a request that would otherwise pay for a commit alone: while a commit
+        is under way or requests already wait for the next one, a request joins that group
+        commit instead. Under load this costs no latency (the commit is shared) and measured
+        about 10 µs less CPU per request at 64 connections than journaling every event: requests
+        resume together after their commit and run their remaining work back to back."""
+        if self.journal is not None and not self._waiting and not self._batch and self._journaled(event):
             return
         await self.submit(event)
 
