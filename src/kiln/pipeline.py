@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable
 
 import orjson
@@ -49,6 +50,7 @@ from kiln.http import DisconnectGuard, JSONAnswer, StreamOut, StreamResponse, Wr
 from kiln.protocols.base import Context, Translator, UpstreamCall
 from kiln.health import Outcome
 from kiln.router import Lease, Router, outcome_of
+from kiln.running import running_loop
 from kiln.upstream import Upstream
 
 log = logging.getLogger("kiln.pipeline")
@@ -500,10 +502,12 @@ class Gateway:
         self._observe(run, 499, "cancelled")
 
     def _observe(self, run: _Run, status: int, error: str = "none") -> None:
-        observe.finished(run.tr.endpoint, run.call.model.id, status, error, started=run.started, key=run.key,
-                         event=run.metered[0] if run.metered is not None else None,
-                         backend_url=run.backend.url if run.backend else None, backend_s=run.backend_s,
-                         trace=run.trace)
+        """Metrics, the access-log line and the trace's end, once the answer has gone out: the
+        loop's next turn, so none of it sits between the backend's answer and the client's."""
+        running_loop().call_soon(partial(
+            observe.finished, run.tr.endpoint, run.call.model.id, status, error, started=run.started, key=run.key,
+            event=run.metered[0] if run.metered is not None else None,
+            backend_url=run.backend.url if run.backend else None, backend_s=run.backend_s, trace=run.trace))
 
 
 TOO_DEEP = "The request is nested too deeply to forward (at most 254 levels)."
