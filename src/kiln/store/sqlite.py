@@ -61,7 +61,10 @@ _INSERT_USAGE = (f"INSERT INTO usage_events ({USAGE_COLUMNS}) VALUES ({','.join(
 class SQLiteStore:
     shared = False  # one gateway process owns the file
     CHECKPOINT_EVERY_S = 1.0
-    INLINE_MAX_EVENTS = 8  # a batch this small commits on the event loop (NORMAL, thread idle)
+    # A batch this small commits on the event loop (NORMAL, thread idle): handing a commit to the
+    # thread costs about 110 µs of CPU more (the hop and the lock passed back and forth around
+    # every statement), more than a 30-event commit itself; 64 events block the loop < 0.5 ms.
+    INLINE_MAX_EVENTS = 64
 
     def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
         self.path = str(path)
