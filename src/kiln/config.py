@@ -162,8 +162,8 @@ _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
     "workers": int, "redis_url": str, "redis_prefix": str, "database_pool": int,
     "ledger_wait_s": (int, float), "ledger_linger_s": (int, float),
 }
-_POSITIVE_SERVER_FIELDS = ("ledger_linger_s", "shutdown_grace_s", "header_timeout_s", "body_timeout_s", "max_header_bytes",
-                           "max_headers", "max_connections")
+_POSITIVE_SERVER_FIELDS = ("ledger_linger_s", "shutdown_grace_s", "header_timeout_s", "body_timeout_s",
+                           "max_header_bytes", "max_headers", "max_connections")
 # [routing] and per-backend fields: name -> what a valid value is
 _TIMEOUT_FIELDS = {"connect_timeout_s": "connect_s", "headers_timeout_s": "headers_s", "idle_timeout_s": "idle_s"}
 _ROUTING_FIELDS = {"affinity": "bool", "affinity_balance": "ratio", "retries": "count", "queue_timeout_s": "ratio",

@@ -198,7 +198,7 @@ class Ledger:
         try:
             self.journal.append(event)
         except OSError as exc:
-            self._log_failure(f"the ledger journal cannot write ({exc}): usage events wait for their commit")
+            self._log_journal_failure(f"the ledger journal cannot write ({exc}): usage events wait for their commit")
             return False
         self._queue.append((event, None, 0.0, True))
         self._queued += 1
@@ -266,7 +266,7 @@ class Ledger:
         try:
             self.journal.done(count)
         except OSError as exc:  # the committed events stay in a file longer: harmless (inserted once)
-            self._log_failure(f"the ledger journal cannot drop committed events ({exc})")
+            self._log_journal_failure(f"the ledger journal cannot drop committed events ({exc})")
 
     def _wake_settlers(self) -> None:
         waiting = []
@@ -422,7 +422,7 @@ class Ledger:
 
     # -- health --------------------------------------------------------------------------
 
-    def _log_failure(self, message: str) -> None:
+    def _log_journal_failure(self, message: str) -> None:
         now = time.monotonic()
         if now - self._journal_logged_at > 30:
             self._journal_logged_at = now

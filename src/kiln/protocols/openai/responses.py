@@ -37,7 +37,7 @@ OVERFLOW = "context_length_exceeded"
 # The response object, written from bytes: the request's echoed fields are encoded once, and the
 # same skeleton serves the JSON answer, the stream's head and its final event.
 _RESPONSE = (b'{"id":"%b","object":"response","created_at":%d,"status":"%b","background":false,"error":%b,'
-             b'"incomplete_details":%b,%b,"model":%b,"output":%b,"previous_response_id":null,'
+             b'"incomplete_details":%b%b,"model":%b,"output":%b,"previous_response_id":null,'
              b'"service_tier":"default","store":false,"truncation":"disabled","usage":%b,"user":null%b}')
 
 
@@ -51,7 +51,7 @@ class ResponsesTranslator(ChatBacked):
         self._created = 0
         self._context_window = 0
         self._mapped = MappedRequest({})
-        self._echo = b""  # the request fields the response repeats, encoded once (JSON members)
+        self._echo = b""  # the request fields the response repeats, encoded once (",member,...")
         self._items: Items | None = None
         self._events: EventStream | None = None
         self._output: list[dict[str, Any]] = []
@@ -66,7 +66,8 @@ class ResponsesTranslator(ChatBacked):
         self._mapped = mapped = map_request(body, model, self.ctx.seal)
         # Encoded now, once: every event and the final object repeat them, and a field nested too
         # deeply to re-encode is refused before anything is generated (the pipeline's 400).
-        self._echo = orjson.dumps(mapped.echo)[1:-1]
+        members = orjson.dumps(mapped.echo)[1:-1]
+        self._echo = b"," + members if members else b""
         self._id, self._created = new_id("resp_"), int(time.time())
         chat = mapped.body
         chat["stream"] = stream
