@@ -382,9 +382,10 @@ def test_text_deltas_from_templates_are_the_bytes_the_dicts_would_encode_to() ->
     from kiln.protocols.base import sse_event
 
     for text in ("plain", 'quote " and \\ backslash', "newline\n", "ünïcödé ✓", "\u2028"):
-        assert blocks._TEXT_DELTA % (3, orjson.dumps(text)) == sse_event("content_block_delta", {
+        body = orjson.dumps(text)[1:-1]
+        assert blocks._TEXT_HEAD % 3 + body + blocks._TEXT_TAIL == sse_event("content_block_delta", {
             "type": "content_block_delta", "index": 3, "delta": {"type": "text_delta", "text": text}})
-        assert responses_output._TEXT_DELTA % (7, orjson.dumps("msg_1"), 2, orjson.dumps(text)) == sse_event(
+        assert responses_output._TEXT_DELTA % (7, b"msg_1", 2, body) == sse_event(
             "response.output_text.delta", {"type": "response.output_text.delta", "sequence_number": 7,
                                            "item_id": "msg_1", "output_index": 2, "content_index": 0,
                                            "delta": text, "logprobs": []})

@@ -120,48 +120,6 @@ def stream_flag(body: dict[str, Any]) -> bool:
     return stream
 
 
-TEXT_KEYS = ("content", "reasoning", "reasoning_content")  # a delta's text: the answer, or its reasoning
-
-
-def text_run(payloads: list[bytes], start: int, most: int) -> tuple[list[tuple[str, str]], Usage | None, int]:
-    """The run of plain text deltas from `start` (at most `most`): chat chunks with one choice
-    whose delta is one text field (content, or reasoning under either of its names), a
-    non-empty string, and no finish reason. Returns (field, text) for each, the usage the last
-    of them reported (continuous usage stats put one on every chunk), and how many. The first
-    payload that is anything else ends the run; the caller takes it on its own (chunk), where
-    every check and error of the full path applies."""
-    texts: list[tuple[str, str]] = []
-    usage = None
-    end = min(len(payloads), start + most)
-    i = start
-    loads = orjson.loads
-    while i < end:
-        payload = payloads[i]
-        if payload[:1] != b"{" or payload.startswith(b'{"error"'):
-            break
-        try:
-            data = loads(payload)
-        except orjson.JSONDecodeError:
-            break
-        choices = data.get("choices") if type(data) is dict else None
-        if type(choices) is not list or len(choices) != 1:
-            break
-        choice = choices[0]
-        if type(choice) is not dict or choice.get("finish_reason") is not None:
-            break
-        delta = choice.get("delta")
-        if type(delta) is not dict or len(delta) != 1:
-            break
-        field, text = next(iter(delta.items()))
-        if field not in TEXT_KEYS or type(text) is not str or not text:
-            break
-        texts.append((field, text))
-        if "usage" in data:
-            usage = data["usage"]
-        i += 1
-    return texts, Usage.from_openai(usage) if usage is not None else None, i - start
-
-
 class ChatBacked(ABC):
     """Shared upstream side; a protocol implements `request`, `_chunk`, `_response` and its output."""
 

@@ -24,14 +24,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from itertools import groupby
-from operator import itemgetter
 from typing import Any
 
 import orjson
 
 from kiln.protocols.base import new_id, sse_event
 from kiln.protocols.reasoning import ReasoningSeal
+from kiln.protocols.text_runs import Group, body_of, decode
 
 log = logging.getLogger("kiln.messages")
 
@@ -90,24 +89,27 @@ class Blocks:
             self._start("text", {"type": "text", "text": ""})
         self._keep(text)
         # The most frequent event of all: its bytes from a template, not a dict.
-        self._out.append(_TEXT_DELTA % (len(self.blocks) - 1, orjson.dumps(text)))
+        self._out.append(_TEXT_HEAD % (len(self.blocks) - 1) + body_of(text) + _TEXT_TAIL)
 
-    def text_run(self, texts: list[tuple[str, str]]) -> None:
-        """Text deltas in a row, (field, text) as chat_backed.text_run gives them: what `reasoning`
-        and `text` do for each, with the answer's deltas written in one pass once its block is open."""
-        for name, group in groupby(texts, key=itemgetter(0)):
-            run = [text for _, text in group]
+    def text_run(self, groups: list[Group]) -> None:
+        """Text deltas in a row, as TextRuns gives them: what `reasoning` and `text` do for each,
+        with the answer's deltas written from their JSON bodies as they came, once its block is open."""
+        for name, bodies in groups:
             if name != "content":
-                for text in run:
-                    self.reasoning(text)
+                for body in bodies:
+                    self.reasoning(decode([body]))
                 continue
-            while run and self._open != "text":  # whitespace alone opens no block: one by one until one opens
-                self.text(run.pop(0))
-            if run:
+            k = 0
+            while k < len(bodies) and self._open != "text":  # whitespace alone opens no block: one by one
+                self.text(decode([bodies[k]]))
+                k += 1
+            if k < len(bodies):
+                run = bodies[k:] if k else bodies
                 index = len(self.blocks) - 1
                 if self.keep_text:
-                    self.texts[index].extend(run)
-                self._out += [_TEXT_DELTA % (index, orjson.dumps(text)) for text in run]
+                    self.texts[index].append(decode(run))
+                head = _TEXT_HEAD % index
+                self._out.append(head + (_TEXT_TAIL + head).join(run) + _TEXT_TAIL)
 
     def tool_call(self, entry: dict[str, Any]) -> None:
         """One `tool_calls` delta entry (several may share an index; the name may come first)."""
@@ -171,8 +173,10 @@ class Blocks:
         self._out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": at, "delta": delta}))
 
 
-_TEXT_DELTA = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
-               b'"delta":{"type":"text_delta","text":%b}}\n\n')
+# A text delta around its JSON string body.
+_TEXT_HEAD = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+              b'"delta":{"type":"text_delta","text":"')
+_TEXT_TAIL = b'"}}\n\n'
 
 
 def _parse_input(arguments: str, name: str) -> dict[str, Any]:

@@ -27,10 +27,11 @@ from kiln.protocols.base import (
     JSON, Context, Reply, Run, Step, UpstreamCall, new_id, positive_int, prompt_of, sse_event,
 )
 from kiln.protocols.chat_backed import (
-    ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag, text_of, text_run,
+    ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag, text_of,
     tool_calls_of,
 )
 from kiln.protocols.stop import StopMatcher, cut_at_stop
+from kiln.protocols.text_runs import TextRuns
 from kiln.upstream import overflow_tokens
 
 MIN_OUTPUT = 1024  # max_tokens asked for even when the (high) prompt estimate leaves less room
@@ -81,6 +82,7 @@ class MessagesTranslator(ChatBacked):
         self._usage = Usage()  # the latest the backend reported (for message_start)
         self._started = False
         self._note: str | None = None  # why the gateway ended the output early
+        self._runs = TextRuns()
 
     # -- request ----------------------------------------------------------
 
@@ -168,17 +170,17 @@ class MessagesTranslator(ChatBacked):
         return head + self._blocks.take(), usage, 1 if said else 0, self._stop_sequence is not None
 
     def chunks(self, payloads: list[bytes], start: int, most: int) -> Run | None:
-        """Mid-stream, a run of plain text deltas (chat_backed.text_run) in one tight loop, each
+        """Mid-stream, a run of plain text deltas (protocols/text_runs.py) in one tight loop, each
         still its own content_block_delta event. Not with stop sequences: those need each piece
         looked at where it may end the output."""
         if not self._started or self._matcher is not None or self._blocks is None:
             return None
-        texts, usage, taken = text_run(payloads, start, most)
+        groups, usage, taken = self._runs.take(payloads, start, most)
         if not taken:
             return None
         if usage is not None:
             self._usage = usage
-        self._blocks.text_run(texts)
+        self._blocks.text_run(groups)
         return self._blocks.take(), usage, taken, taken
 
     def finish(self, usage: Usage, cost_nano: int) -> bytes:

@@ -26,12 +26,13 @@ from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
 from kiln.protocols.base import SSE, Context, Reply, Run, Step, UpstreamCall, new_id, prompt_of
 from kiln.protocols.chat_backed import (
-    ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag, text_run,
+    ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag,
 )
 from kiln.protocols.openai.errors import openai_error
 from kiln.protocols.openai.passthrough import cost_fragment
 from kiln.protocols.openai.responses_input import MappedRequest, map_request
 from kiln.protocols.openai.responses_output import EventStream, Items
+from kiln.protocols.text_runs import TextRuns
 
 OVERFLOW = "context_length_exceeded"
 # The response object, written from bytes: the request's echoed fields are encoded once, and the
@@ -56,6 +57,7 @@ class ResponsesTranslator(ChatBacked):
         self._events: EventStream | None = None
         self._output: list[dict[str, Any]] = []
         self._note = ""
+        self._runs = TextRuns()
 
     # -- request ----------------------------------------------------------
 
@@ -115,15 +117,15 @@ class ResponsesTranslator(ChatBacked):
         return out, usage, 1 if said else 0, False
 
     def chunks(self, payloads: list[bytes], start: int, most: int) -> Run | None:
-        """Mid-stream, a run of plain text deltas (chat_backed.text_run) in one tight loop, each
-        still its own event with its own sequence number."""
+        """Mid-stream, a run of plain text deltas (protocols/text_runs.py) in one tight loop,
+        each still its own event with its own sequence number."""
         events = self._events
         if events is None or not events.started:
             return None
-        texts, usage, taken = text_run(payloads, start, most)
+        groups, usage, taken = self._runs.take(payloads, start, most)
         if not taken:
             return None
-        return events.text_run(texts), usage, taken, taken
+        return events.text_run(groups), usage, taken, taken
 
     def finish(self, usage: Usage, cost_nano: int) -> bytes:
         """Close the last item and end with the final response (token counts, no cost)."""

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from itertools import groupby
-from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -22,6 +20,7 @@ import orjson
 from kiln.protocols.base import new_id, sse_event
 from kiln.protocols.chat_backed import text_of, tool_calls_of
 from kiln.protocols.reasoning import ReasoningSeal
+from kiln.protocols.text_runs import Group, body_of, decode
 
 log = logging.getLogger("kiln.responses")
 
@@ -111,7 +110,7 @@ class _Call:
 
 
 _TEXT_DELTA = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":%d,'
-               b'"item_id":%b,"output_index":%d,"content_index":0,"delta":%b,"logprobs":[]}\n\n')
+               b'"item_id":"%b","output_index":%d,"content_index":0,"delta":"%b","logprobs":[]}\n\n')
 
 
 @dataclass
@@ -119,7 +118,7 @@ class _Open:
     kind: str  # "reasoning" | "message" | "function" | "custom"
     item_id: str
     output_index: int
-    text: list[str] = field(default_factory=list)
+    text: list[bytes] = field(default_factory=list)  # JSON string bodies (text_runs.py), decoded at the close
     call: _Call | None = None
 
 
@@ -178,23 +177,23 @@ class EventStream:
             self.finish_reason = choice["finish_reason"]
         return b"".join(out), bool(thought or text or calls)
 
-    def text_run(self, texts: list[tuple[str, str]]) -> bytes:
-        """Text deltas in a row, (field, text) as chat_backed.text_run gives them: what `feed`
-        makes of each, with the answer's deltas written in one pass once its item is open."""
+    def text_run(self, groups: list[Group]) -> bytes:
+        """Text deltas in a row, as TextRuns gives them: what `feed` makes of each, with the
+        answer's deltas written from their JSON bodies as they came, once its item is open."""
         out: list[bytes] = []
-        for name, group in groupby(texts, key=itemgetter(0)):
-            run = [text for _, text in group]
+        for name, bodies in groups:
             if name != "content":
-                out += [self._text("reasoning", text) for text in run]
+                out += [self._text("reasoning", decode([body])) for body in bodies]
                 continue
-            out.append(self._text("message", run[0]))  # opens the message item if need be
             item = self._open
-            assert item is not None
-            rest = run[1:]
-            item.text.extend(rest)
-            seq, self.seq = self.seq, self.seq + len(rest)
-            ident = orjson.dumps(item.item_id)
-            out += [_TEXT_DELTA % (seq + k, ident, item.output_index, orjson.dumps(t)) for k, t in enumerate(rest)]
+            if item is None or item.kind != "message":
+                out.append(self._close() + self._add("message"))
+                item = self._open
+                assert item is not None
+            item.text.extend(bodies)
+            seq, self.seq = self.seq, self.seq + len(bodies)
+            ident, index = item.item_id.encode(), item.output_index
+            out += [_TEXT_DELTA % (seq + k, ident, index, body) for k, body in enumerate(bodies)]
         return b"".join(out)
 
     def close(self) -> bytes:
@@ -207,13 +206,14 @@ class EventStream:
         out = b""
         if self._open is None or self._open.kind != kind:
             out = self._close() + self._add(kind)
-        assert self._open is not None
-        self._open.text.append(delta)
+        item = self._open
+        assert item is not None
+        body = body_of(delta)
+        item.text.append(body)
         if kind == "message":  # the most frequent event of all: its bytes from a template, not a dict
             seq, self.seq = self.seq, self.seq + 1
-            return out + _TEXT_DELTA % (seq, orjson.dumps(self._open.item_id), self._open.output_index,
-                                        orjson.dumps(delta))
-        base = {"item_id": self._open.item_id, "output_index": self._open.output_index}
+            return out + _TEXT_DELTA % (seq, item.item_id.encode(), item.output_index, body)
+        base = {"item_id": item.item_id, "output_index": item.output_index}
         out += self.event("response.reasoning_text.delta", **base, content_index=0, delta=delta)
         if self.items.summary:
             out += self.event("response.reasoning_summary_text.delta", **base, summary_index=0, delta=delta)
@@ -284,7 +284,7 @@ class EventStream:
             return b""
         self._open = None
         base = {"item_id": item.item_id, "output_index": item.output_index}
-        text = "".join(item.text)
+        text = decode(item.text)
         out = b""
         if item.kind == "message":
             done = self.items.message(item.item_id, text)
