@@ -129,6 +129,36 @@ def small_disk() -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def test_a_journaled_batch_commits_off_the_event_loop(tmp_path: Path) -> None:
+    """No request waits for a journaled batch (its events are durable in the journal): it commits
+    in the store's thread while the loop serves requests. A small batch a request waits for
+    commits on the loop, without the hop to the thread."""
+    async def run() -> None:
+        store = SQLiteStore(tmp_path / "kiln.db")
+        await store.open()
+        accounts = Accounts(store)
+        org = await accounts.create_org("o")
+        await accounts.add_credits(org.id, 1_000_000_000)
+        key, _ = await accounts.create_key((await accounts.create_project(org.id, "p")).id)
+        loop = asyncio.get_running_loop()
+        try:
+            events = _events(org.id, key.project_id, key.id, 2)
+            ran: list[int] = []
+            loop.call_soon(ran.append, 1)
+            await store.record_usage(events[:1], waited=False)
+            assert ran, "the loop ran other work while the journaled batch committed"
+            ran.clear()
+            loop.call_soon(ran.append, 1)
+            await store.record_usage(events[1:])
+            assert not ran, "a waited-for batch of one committed on the loop, at once"
+            totals = await store.usage_totals(org.id)
+            assert totals["events"] == 2 and totals["cost_nano"] == 2000
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
 def test_disk_full_503s_after_a_bounded_wait_and_recovers(sim: Sim, small_disk: Path) -> None:
     config = catalog_toml(sim.url).replace("[server]\n", "[server]\nledger_wait_s = 2\n", 1)
     gw = start_gateway(config, args=("--data-dir", str(small_disk)))

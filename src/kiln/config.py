@@ -108,7 +108,7 @@ class Settings:
     redis_prefix: str = "kiln"  # Redis key prefix: gateways sharing one prefix share limits
     database_pool: int = 4  # PostgreSQL connections per process
     ledger_wait_s: float = 10.0  # a request waits this long for its usage event to be durable, then 503
-    ledger_linger_s: float = 0.005  # SQLite: journaled usage events wait at most this long to share a commit
+    ledger_linger_s: float = 0.1  # SQLite: journaled usage events wait at most this long to share a commit
     shutdown_grace_s: float = 30.0  # SIGTERM: running requests get this long, then streams are cut and billed
     header_timeout_s: float = 10.0  # a request's head must arrive within this (slowloris)
     body_timeout_s: float = 60.0  # and its body within this once the head is in

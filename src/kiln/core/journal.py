@@ -4,8 +4,8 @@ On the embedded store (SQLite, synchronous NORMAL) a commit survives a crash of 
 not a power cut: it lands in the OS's page cache. An append to this file has exactly that
 durability for a fraction of the cost: one write() of one JSON line, against a transaction that
 writes six or seven pages to SQLite's WAL (about 60 µs of CPU). So a request's event is appended
-here before its last byte, and the ledger commits journaled events to the database a few
-milliseconds later, many per transaction. After a crash, the events still here are committed at
+here before its last byte, and the ledger commits journaled events to the database up to a
+tenth of a second later, many per transaction. After a crash, the events still here are committed at
 the next start before anything is served; the store inserts each generation id once, so an event
 that was both committed and still journaled bills once.
 

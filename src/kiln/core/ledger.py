@@ -8,7 +8,8 @@ transaction: under load many requests share one commit.
 With a journal (the embedded store: kiln.core.journal), a request that would
 otherwise wait for a commit of its own appends its event to the journal, which is
 as durable as a commit there, and returns; the writer lets journaled events
-gather for `linger_s` (5 ms) and commits them together.
+gather for `linger_s` (0.1 s, or until 256 are queued) and commits them together, in a way
+that keeps no request waiting (SQLite: in its thread, not on the event loop).
 Reads of usage call `settled()` first, which commits at once: a client never
 reads its usage before it is in the store. Without one, `record()` waits for
 the commit that includes its event, and an idle gateway commits a lone event
@@ -69,7 +70,7 @@ def new_generation_id() -> str:
 
 
 class Ledger:
-    def __init__(self, store: Store, *, wait_s: float = 10.0, linger_s: float = 0.005, spool: Spool | None = None,
+    def __init__(self, store: Store, *, wait_s: float = 10.0, linger_s: float = 0.1, spool: Spool | None = None,
                  dead_letter_file: Path | None = None, journal: Journal | None = None,
                  on_commit: OnCommit | None = None,
                  on_balances: Callable[[CreditBalances], None] | None = None,
@@ -233,8 +234,10 @@ class Ledger:
             if self._lingers():
                 await self._linger()
             n = min(len(self._queue), MAX_BATCH)
-            self._batch = [self._queue.popleft() for _ in range(n)]
-            await self._write([e for e, _, _, _ in self._batch])
+            self._batch = batch = [self._queue.popleft() for _ in range(n)]
+            # Waited for: a request (its future) or a read (a settler); else all journaled already.
+            waited = bool(self._settlers) or not all(in_journal for _, _, _, in_journal in batch)
+            await self._write([e for e, _, _, _ in batch], waited)
             journaled = 0
             for _, fut, _, in_journal in self._batch:
                 if in_journal:
@@ -289,14 +292,14 @@ class Ledger:
                 if fut is not None and queued < limit and not fut.done():
                     fut.set_exception(self.unavailable())
 
-    async def _write(self, events: list[UsageEvent]) -> None:
+    async def _write(self, events: list[UsageEvent], waited: bool = True) -> None:
         """Make the events durable: in the store, else in the spool; retry while neither works."""
         delay = 0.05
         while True:
             try:
                 if self.spool is None or not self.spool.backlog:
                     try:
-                        await self._commit(events)
+                        await self._commit(events, waited)
                         break
                     except Exception as exc:
                         if self.spool is None or not self.store.is_unavailable(exc):
@@ -313,12 +316,12 @@ class Ledger:
                 delay = min(delay * 2, 1.0)
         self._recovered()
 
-    async def _commit(self, events: list[UsageEvent]) -> None:
+    async def _commit(self, events: list[UsageEvent], waited: bool = True) -> None:
         """Commit the events; a batch the store refuses is split until the bad event is alone,
         which is set aside. Raises when the store cannot write at all."""
         began = time.monotonic()
         try:
-            moved = await self.store.record_usage(events)
+            moved = await self.store.record_usage(events, waited=waited)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -328,8 +331,8 @@ class Ledger:
                 await self._set_aside(events[0], exc)
                 return
             mid = len(events) // 2
-            await self._commit(events[:mid])
-            await self._commit(events[mid:])
+            await self._commit(events[:mid], waited)
+            await self._commit(events[mid:], waited)
             return
         self.stats["committed"] += len(events)
         if self.on_metrics is not None:

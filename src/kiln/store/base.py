@@ -198,10 +198,12 @@ class Store(Protocol):
     async def insert_key(self, key: ApiKey) -> None: ...
     async def update_key(self, key_id: str, fields: dict[str, Any]) -> None: ...
 
-    async def record_usage(self, events: list[UsageEvent]) -> CreditBalances:
+    async def record_usage(self, events: list[UsageEvent], *, waited: bool = True) -> CreditBalances:
         """Insert the events that are not there yet (by id) and, in the same transaction, deduct
         the cost of those inserted from their organisations' credits and add it to their keys'
-        spend: writing an event twice bills it once. Returns the balances it moved."""
+        spend: writing an event twice bills it once. Returns the balances it moved. `waited`:
+        a request or a read waits for this commit (False: the events are durable already, in
+        the journal, and the commit may take longer if it keeps requests from waiting)."""
 
     async def dead_letter(self, event: UsageEvent, error: str) -> None:
         """Set aside an event no write could take, with the reason."""

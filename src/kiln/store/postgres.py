@@ -204,7 +204,7 @@ class PostgresStore:
     async def update_key(self, key_id: str, fields: dict[str, Any]) -> None:
         await self._update("api_keys", KEY_UPDATABLE, key_id, fields)
 
-    async def record_usage(self, events: list[UsageEvent]) -> CreditBalances:
+    async def record_usage(self, events: list[UsageEvent], *, waited: bool = True) -> CreditBalances:
         rows = await self._pool.fetch(_RECORD_USAGE, *zip(*usage_rows(events)))
         return {r[0]: (int(r[1]), int(r[2])) for r in rows}
 
