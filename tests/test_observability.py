@@ -8,6 +8,7 @@ scrape and what the log says, one line per request, never a secret.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import httpx
@@ -72,6 +73,10 @@ def test_requests_refusals_keepalives_and_log_lines(sim: Sim) -> None:
         assert total(m, "kiln_cost_usd_total", model=QWEN) > 0
         assert total(m, "gen_ai_server_time_to_first_token_seconds_count") == 1  # the stream
         assert total(m, "kiln_gateway_overhead_seconds_count") >= 5
+        waited = time.monotonic() + 5  # journaled events commit within ledger_linger_s (0.1 s)
+        while total(m, "kiln_ledger_events_committed_total") < 6 and time.monotonic() < waited:
+            time.sleep(0.05)
+            m = scrape(port)
         assert total(m, "kiln_ledger_events_committed_total") >= 6
         assert total(m, "kiln_backend_state", model=QWEN, state="healthy") == 1
         assert total(m, "kiln_backend_in_flight", model=QWEN) == 0  # every lease released

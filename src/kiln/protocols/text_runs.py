@@ -121,8 +121,13 @@ def _learn(payload: bytes, field: str, text: str, usage: Any) -> _Skeleton | Non
 
 def _plain(payload: bytes) -> tuple[str, str, Any] | None:
     """(field, text, usage or None) of a chat chunk that is one plain text delta: one choice,
-    its delta one text field holding a non-empty string, no finish reason. Else None."""
-    if payload[:1] != b"{" or payload.startswith(b'{"error"'):
+    its delta one text field holding a non-empty string, no finish reason. Else None.
+
+    The chunks that end a run (the finish reason, the usage chunk, the end, an error) are
+    known by a marker before any parse: the caller parses them anyway. A marker's quotes
+    cannot be text the model wrote (JSON escapes those); one elsewhere only costs the parse."""
+    if (payload[:1] != b"{" or payload.startswith(b'{"error"') or b'"finish_reason":"' in payload
+            or b'"choices":[]' in payload):
         return None
     try:
         data = orjson.loads(payload)
