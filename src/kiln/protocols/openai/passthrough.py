@@ -167,6 +167,9 @@ class Passthrough(ChatBacked):
         stop = min(len(payloads), start + most)
         if stop - start < 2:
             return None
+        first = payloads[start]
+        if _USAGE in first or first[:1] != b"{" or (self._finish_reason is None and _FINISH in first):
+            return None  # the run would end before its first payload (the finish or usage chunk, the end)
         raw = _JOIN.join(payloads[start:stop])
         cut = len(raw)
         for marker in (_USAGE, _ERROR, _FINISH) if self._finish_reason is None else (_USAGE, _ERROR):
