@@ -80,24 +80,29 @@ def test_a_bad_event_is_set_aside_and_the_rest_commit(store_factory: Any, tmp_pa
     asyncio.run(run())
 
 
+async def _sqlite_with_events(tmp_path: Path, n: int) -> tuple[SQLiteStore, list[UsageEvent]]:
+    """An open SQLite store with one funded organisation, and `n` usage events of its key."""
+    store = SQLiteStore(tmp_path / "kiln.db")
+    await store.open()
+    accounts = Accounts(store)
+    org = await accounts.create_org("o")
+    await accounts.add_credits(org.id, 1_000_000_000)
+    key, _ = await accounts.create_key((await accounts.create_project(org.id, "p")).id)
+    return store, _events(org.id, key.project_id, key.id, n)
+
+
 def test_a_commit_on_the_event_loop_never_shares_the_connection(tmp_path: Path) -> None:
     """Small batches commit on the event loop while the store's thread is idle; while the thread
     runs a call (here one that takes 0.3 s), they go to the thread and wait their turn, instead of
     starting a transaction on the connection the thread is using."""
     async def run() -> None:
-        store = SQLiteStore(tmp_path / "kiln.db")
-        await store.open()
-        accounts = Accounts(store)
-        org = await accounts.create_org("o")
-        await accounts.add_credits(org.id, 1_000_000_000)
-        key, _ = await accounts.create_key((await accounts.create_project(org.id, "p")).id)
+        store, events = await _sqlite_with_events(tmp_path, 2)
         try:
             def slow(db: Any) -> int:
                 with sqlite3_tx(db):
                     time.sleep(0.3)
                     return db.execute("SELECT count(*) FROM usage_events").fetchone()[0]
 
-            events = _events(org.id, key.project_id, key.id, 2)
             slow_call = asyncio.ensure_future(store._run(slow))
             await asyncio.sleep(0.05)  # the slow call is in the thread
             started = time.monotonic()
@@ -105,7 +110,7 @@ def test_a_commit_on_the_event_loop_never_shares_the_connection(tmp_path: Path) 
             assert time.monotonic() - started > 0.2, "the commit waited for the thread"
             assert await slow_call == 0
             await store.record_usage(events[1:])  # the thread is idle again: on the loop
-            totals = await store.usage_totals(org.id)
+            totals = await store.usage_totals(events[0].org_id)
             assert totals["events"] == 2 and totals["cost_nano"] == 2000
         finally:
             await store.close()
@@ -134,15 +139,9 @@ def test_a_journaled_batch_commits_off_the_event_loop(tmp_path: Path) -> None:
     in the store's thread while the loop serves requests. A small batch a request waits for
     commits on the loop, without the hop to the thread."""
     async def run() -> None:
-        store = SQLiteStore(tmp_path / "kiln.db")
-        await store.open()
-        accounts = Accounts(store)
-        org = await accounts.create_org("o")
-        await accounts.add_credits(org.id, 1_000_000_000)
-        key, _ = await accounts.create_key((await accounts.create_project(org.id, "p")).id)
+        store, events = await _sqlite_with_events(tmp_path, 2)
         loop = asyncio.get_running_loop()
         try:
-            events = _events(org.id, key.project_id, key.id, 2)
             ran: list[int] = []
             loop.call_soon(ran.append, 1)
             await store.record_usage(events[:1], waited=False)
@@ -151,7 +150,7 @@ def test_a_journaled_batch_commits_off_the_event_loop(tmp_path: Path) -> None:
             loop.call_soon(ran.append, 1)
             await store.record_usage(events[1:])
             assert not ran, "a waited-for batch of one committed on the loop, at once"
-            totals = await store.usage_totals(org.id)
+            totals = await store.usage_totals(events[0].org_id)
             assert totals["events"] == 2 and totals["cost_nano"] == 2000
         finally:
             await store.close()
