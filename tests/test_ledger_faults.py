@@ -24,6 +24,7 @@ import pytest
 
 from conftest import PG_DSN as DSN, Sim, catalog_toml, drop_pg_schema, start_gateway, stop, wait_for
 from kiln.core.accounts import Accounts
+from kiln.core.journal import Journal
 from kiln.core.ledger import Ledger
 from kiln.core.records import UsageEvent
 from kiln.store.postgres import PostgresStore
@@ -153,6 +154,36 @@ def test_a_journaled_batch_commits_off_the_event_loop(tmp_path: Path) -> None:
             totals = await store.usage_totals(events[0].org_id)
             assert totals["events"] == 2 and totals["cost_nano"] == 2000
         finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+def test_a_request_journals_while_a_journaled_batch_commits(tmp_path: Path) -> None:
+    """No one waits for a batch of journaled events: a request that comes while it commits (held
+    here for 0.3 s by a slow call in the store's thread) journals its own event and goes on,
+    instead of waiting for that commit and the one after it."""
+    async def run() -> None:
+        store, events = await _sqlite_with_events(tmp_path, 3)
+        ledger = Ledger(store, linger_s=0.01, journal=Journal(tmp_path / "journal"))
+        await ledger.start()
+        try:
+            def slow(db: Any) -> None:
+                time.sleep(0.3)
+
+            await ledger.record(events[0])  # journaled: the writer lingers, then commits it
+            busy = asyncio.ensure_future(store._run(slow))
+            await asyncio.sleep(0.1)  # the commit of events[0] is under way, behind the slow call
+            assert ledger._batch, "the commit is under way"
+            started = time.monotonic()
+            await ledger.record(events[1])
+            assert time.monotonic() - started < 0.1, "journaled, not queued behind the commit"
+            await busy
+            await ledger.settled()
+            totals = await store.usage_totals(events[0].org_id)
+            assert totals["events"] == 2 and totals["cost_nano"] == 2000
+        finally:
+            await ledger.stop()
             await store.close()
 
     asyncio.run(run())
