@@ -242,11 +242,8 @@ class Ledger:
             self._batch = batch = [self._queue.popleft() for _ in range(n)]
             # Waited for: a request (its future) or a read (a settler); else all journaled already.
             waited = bool(self._settlers) or not all(in_journal for _, _, _, in_journal in batch)
-            self._journal_only = not waited
-            try:
-                await self._write([e for e, _, _, _ in batch], waited)
-            finally:
-                self._journal_only = False
+            self._journal_only = not waited  # read only while `_batch` holds this batch
+            await self._write([e for e, _, _, _ in batch], waited)
             journaled = 0
             for _, fut, _, in_journal in self._batch:
                 if in_journal:

@@ -183,7 +183,7 @@ class EventStream:
         out: list[bytes] = []
         for name, bodies in groups:
             if name != "content":
-                out += [self._text("reasoning", decode([body])) for body in bodies]
+                out += [self._text("reasoning", decode([body]), body) for body in bodies]
                 continue
             item = self._open
             if item is None or item.kind != "message":
@@ -202,13 +202,15 @@ class EventStream:
 
     # -- items -------------------------------------------------------------
 
-    def _text(self, kind: str, delta: str) -> bytes:
+    def _text(self, kind: str, delta: str, body: bytes | None = None) -> bytes:
+        """A text delta of an item of `kind`; `body`: the delta as a JSON string body, if known."""
         out = b""
         if self._open is None or self._open.kind != kind:
             out = self._close() + self._add(kind)
         item = self._open
         assert item is not None
-        body = body_of(delta)
+        if body is None:
+            body = body_of(delta)
         item.text.append(body)
         if kind == "message":  # the most frequent event of all: its bytes from a template, not a dict
             seq, self.seq = self.seq, self.seq + 1
