@@ -601,3 +601,20 @@ def test_reads_of_usage_see_every_journaled_event(restartable: Restartable) -> N
     post_json(t, chat_body("and another"))
     rows = gw.admin.get("/usage/summary", params={"org_id": t.org_id}).json()["data"]
     assert rows[0]["requests"] == 5
+
+
+def test_a_top_up_keeps_the_cost_of_journaled_events(restartable: Restartable) -> None:
+    """A top-up while events wait in the journal adds to the balance admission holds, which
+    already counts them: taking the store's balance instead would forget their cost until
+    the next start (credits granted, spent and left would no longer add up)."""
+    restartable.set_server("ledger_linger_s = 60")
+    gw = restartable.start()
+    t = gw.new_key(credits="3")
+    cost = sum(_cost_nano(post_json(t, chat_body(f"top-up {i}"))[1]) for i in range(2))
+    topped = gw.admin.post(f"/orgs/{t.org_id}/credits", json={"amount": "10"})
+    assert topped.status_code == 200, topped.text
+    assert int(Decimal(topped.json()["credits"]) / NANO) == 13_000_000_000 - cost
+    org = gw.admin.get(f"/orgs/{t.org_id}").json()
+    assert org["usage_events"] == 2
+    assert int(Decimal(org["credits"]) / NANO) == 13_000_000_000 - cost
+    assert int(Decimal(org["total_spend"]) / NANO) == cost

@@ -244,8 +244,8 @@ class Accounts:
         credits, version = await self.store.add_credits(org_id, amount_nano, note)
         if self.take_balances:
             self.take_credits({org_id: (credits, version)})
-        else:
-            org.credits_nano = credits
+        else:  # this balance already counts the journaled events the store's does not yet
+            org.credits_nano += amount_nano
         if self.on_credits is not None:
             await self.on_credits({org_id: (org.credits_nano, version)})
         return org
