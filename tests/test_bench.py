@@ -101,3 +101,17 @@ def test_affinity_benchmark_runs() -> None:
     for arm in ("affinity on", "affinity off (least in flight)", "one replica (ceiling)"):
         assert f"| {arm} | " in out.stdout
     assert out.stdout.count(": OK") == 3
+
+
+def test_tail_times_every_request_of_one_client() -> None:
+    """bench/tail.py: direct, bare proxy and Kiln at c=1 under wrk, each request timed."""
+    import load
+
+    if load.ensure_wrk() is None:
+        pytest.skip("wrk is not installed")
+    out = subprocess.run([sys.executable, str(BENCH / "tail.py"), "--protocol", "messages", "--seconds", "1"],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for target in ("direct", "bare", "kiln"):
+        assert f"| {target} | " in out.stdout
+    assert "Kiln / bare proxy, added latency: p50 " in out.stdout

@@ -12,9 +12,12 @@ growth but not its WAL's).
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -113,6 +116,28 @@ def test_a_commit_on_the_event_loop_never_shares_the_connection(tmp_path: Path) 
             await store.record_usage(events[1:])  # the thread is idle again: on the loop
             totals = await store.usage_totals(events[0].org_id)
             assert totals["events"] == 2 and totals["cost_nano"] == 2000
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities are per thread on Linux only")
+def test_the_store_thread_yields_the_cpu_to_the_event_loop(tmp_path: Path) -> None:
+    """The thread that commits journaled batches runs at nice 19, so a request that arrives during
+    a commit is served at once instead of waiting for the commit's share of the core; the event
+    loop's own thread keeps its priority."""
+    async def run() -> None:
+        store, events = await _sqlite_with_events(tmp_path, 1)
+        try:
+            def priority(_: Any) -> int:
+                return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+            loop_priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            assert await store._run(priority) == 19
+            assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_priority
+            await store.record_usage(events, waited=False)  # a journaled batch: in that thread
+            assert (await store.usage_totals(events[0].org_id))["events"] == 1
         finally:
             await store.close()
 

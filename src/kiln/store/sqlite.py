@@ -13,6 +13,8 @@ thread and back costs longer than that (one request's response waits for it:
 about 0.2 ms of a quiet gateway's latency) and buys nothing when nothing else is
 waiting. The one writer to the file is this connection (checkpoints are PASSIVE),
 so no lock is waited for.
+
+The store's threads run at the lowest CPU priority (nice 19, Linux): see `_yield_cpu`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import asyncio
 import logging
 import os
 import sqlite3
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,6 +62,24 @@ _INSERT_USAGE = (f"INSERT INTO usage_events ({USAGE_COLUMNS}) VALUES ({','.join(
                  " ON CONFLICT (id) DO NOTHING")
 
 
+def _yield_cpu() -> None:
+    """Lower the calling thread to nice 19 (Linux; elsewhere, or if refused, nothing).
+
+    A batch of journaled events commits in the store's thread: about 2 ms of CPU for the 180
+    events a quiet gateway journals in a tenth of a second. The gateway is one event loop, and
+    at normal priority that thread shared the loop's core with it for those 2 ms: the request
+    that came meanwhile waited, which was most of a single client's p99 (measured with wrk at
+    one connection: the slow 1% came every 102 ms, with the commits). At nice 19 the loop
+    takes the core back as soon as it has work; the commit still runs whenever the loop waits,
+    and gets its share (about 1.5%) even under full load, so it is never starved for good.
+    Linux sets the priority per thread (setpriority with the thread's id)."""
+    if sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        except OSError:  # a sandbox may refuse it: the thread keeps its priority
+            pass
+
+
 class SQLiteStore:
     shared = False  # one gateway process owns the file
     CHECKPOINT_EVERY_S = 1.0
@@ -71,7 +93,7 @@ class SQLiteStore:
     def __init__(self, path: str | Path, synchronous: str = "NORMAL") -> None:
         self.path = str(path)
         self.synchronous = synchronous.upper()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-sqlite")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-sqlite", initializer=_yield_cpu)
         self._db: sqlite3.Connection | None = None
         self._checkpointer: asyncio.Task[None] | None = None
         self._applied: list[str] = []
@@ -113,7 +135,7 @@ class SQLiteStore:
 
     async def _checkpoint_loop(self) -> None:
         """PASSIVE checkpoints from a second connection: they never block the writer."""
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-sqlite-checkpoint")
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-sqlite-checkpoint", initializer=_yield_cpu)
         loop = asyncio.get_running_loop()
         db = await loop.run_in_executor(
             pool, lambda: sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
