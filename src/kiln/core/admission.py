@@ -180,8 +180,10 @@ class MemoryAdmission:
 
     async def admit(self, key: ApiKey, org: Org, demand: Demand, generation_id: str = "") -> Ticket:
         roll_periods(org, key, self.clock.time())
-        org_state = self._orgs.setdefault(org.id, _State())
-        key_state = self._keys.setdefault(key.id, _State())
+        # get, then setdefault only for a newcomer: setdefault's argument would build a state
+        # (three windows, three deques) on every request, to be thrown away
+        org_state = self._orgs.get(org.id) or self._orgs.setdefault(org.id, _State())
+        key_state = self._keys.get(key.id) or self._keys.setdefault(key.id, _State())
         now = self.clock.monotonic()
         if demand.kind == "count":
             _check_counts(org_state, self.defaults.count_tokens_rpm, now)
