@@ -107,7 +107,7 @@ async def list_models(request: Request) -> Response:
     request is Anthropic's (an `anthropic-version` header: the Anthropic SDKs always send one)."""
     gw: Gateway = request.app.state.gateway
     try:
-        gw.authenticate(request)
+        gw.authenticate(request.headers)
     except GatewayError as err:
         return _reply(anthropic_error(err)) if "anthropic-version" in request.headers else _error(err)
     names = [(name, model) for model in gw.catalog.available() for name in (model.id, *model.aliases)]

@@ -25,7 +25,7 @@ import logging
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import orjson
 from starlette.requests import Request
@@ -46,7 +46,7 @@ from kiln.core.ledger import Ledger, new_generation_id
 from kiln.core.maintenance import Maintenance
 from kiln.core.records import ApiKey, Usage, UsageEvent
 from kiln.deadline import Deadline
-from kiln.http import DisconnectGuard, JSONAnswer, StreamOut, StreamResponse, Write, read_body
+from kiln.http import DisconnectGuard, JSONAnswer, StreamOut, StreamResponse, Write, header_map, read_body
 from kiln.protocols.base import Context, Translator, UpstreamCall
 from kiln.health import Outcome
 from kiln.router import Lease, Router, outcome_of
@@ -123,16 +123,15 @@ class Gateway:
 
     # -- intake ------------------------------------------------------------------
 
-    def authenticate(self, request: Request) -> ApiKey:
-        headers = request.headers
+    def authenticate(self, headers: Mapping[str, str]) -> ApiKey:
         token, problem = bearer_token(headers.get("authorization"), headers.get("x-api-key"))
         if token is None:
             raise errors.unauthorized(problem or "No API key provided.")
         return self.accounts.authenticate(token)
 
-    async def intake(self, request: Request) -> tuple[ApiKey, bytes, Any]:
+    async def intake(self, request: Request, headers: Mapping[str, str]) -> tuple[ApiKey, bytes, Any]:
         """Authenticate, then read the bounded body and parse it as JSON."""
-        key = self.authenticate(request)
+        key = self.authenticate(headers)
         raw = await read_body(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
         try:
             return key, raw, orjson.loads(raw)
@@ -144,11 +143,12 @@ class Gateway:
     async def handle(self, request: Request, make: MakeTranslator) -> Response | JSONAnswer | StreamResponse:
         started = time.monotonic()
         tr = make(self.ctx)
-        trace = tracing.begin(request.headers, tr.endpoint)
+        headers = header_map(request.scope)
+        trace = tracing.begin(headers, tr.endpoint)
         key: ApiKey | None = None
         call: UpstreamCall | None = None
         try:
-            key, raw, body = await self.intake(request)
+            key, raw, body = await self.intake(request, headers)
             call = _translated(tr, body)
             if self.maintenance.active:
                 raise self.maintenance.error()
@@ -166,7 +166,7 @@ class Gateway:
         if ticket.capped:  # the money left covers less output than asked: ask the backend for less
             call.lower_cap(ticket.output_tokens // ticket.outputs)
         if self.router.uses_affinity(call.model):  # else no routing key is worth its hash
-            call.affinity = affinity_key(body, tr.endpoint, request.headers)
+            call.affinity = affinity_key(body, tr.endpoint, headers)
         run = _Run(key, tr, call, ticket, started, generation_id, started + self.settings.request_timeout_s, trace)
         self.in_flight += 1
         try:

@@ -70,7 +70,7 @@ async def generation(request: Request) -> Response:
     """GET /v1/generation: 404 alike for an unknown id and for another key's (no probing)."""
     gw: Gateway = request.app.state.gateway
     try:
-        key = gw.authenticate(request)
+        key = gw.authenticate(request.headers)
         gen_id = request.query_params.get("id")
         if not gen_id:
             raise errors.invalid("The query parameter 'id' is required: the X-Neocloud-Generation-Id of a "
