@@ -322,7 +322,7 @@ class Connection(asyncio.Protocol):
         if name == b"content-length":
             self.length = int(value) if value.isdigit() else None
         elif name == b"transfer-encoding":
-            self.chunked = b"chunked" in value.lower()
+            self.chunked = value.lower().find(b"chunked") >= 0  # not `in`: see kiln.upstream.SSEParser.feed
         elif name == b"content-encoding":
             self.encoded = value.strip().lower() not in (b"", b"identity")
 

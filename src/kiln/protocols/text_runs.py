@@ -126,8 +126,8 @@ def _plain(payload: bytes) -> tuple[str, str, Any] | None:
     The chunks that end a run (the finish reason, the usage chunk, the end, an error) are
     known by a marker before any parse: the caller parses them anyway. A marker's quotes
     cannot be text the model wrote (JSON escapes those); one elsewhere only costs the parse."""
-    if (payload[:1] != b"{" or payload.startswith(b'{"error"') or b'"finish_reason":"' in payload
-            or b'"choices":[]' in payload):
+    if (payload[:1] != b"{" or payload.startswith(b'{"error"') or payload.find(b'"finish_reason":"') >= 0
+            or payload.find(b'"choices":[]') >= 0):  # find, not `in`: see kiln.upstream.SSEParser.feed
         return None
     try:
         data = orjson.loads(payload)
