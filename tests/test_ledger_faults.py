@@ -28,10 +28,10 @@ import pytest
 from conftest import PG_DSN as DSN, Sim, catalog_toml, drop_pg_schema, start_gateway, stop, wait_for
 from kiln.core.accounts import Accounts
 from kiln.core.journal import Journal
-from kiln.core.ledger import Ledger
+from kiln.core.ledger import LINGER_EVENTS, Ledger
 from kiln.core.records import UsageEvent
 from kiln.store.postgres import PostgresStore
-from kiln.store.sqlite import SQLiteStore, _tx as sqlite3_tx
+from kiln.store.sqlite import NICE, SQLiteStore, _tx as sqlite3_tx
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -124,7 +124,7 @@ def test_a_commit_on_the_event_loop_never_shares_the_connection(tmp_path: Path) 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread priorities are per thread on Linux only")
 def test_the_store_thread_yields_the_cpu_to_the_event_loop(tmp_path: Path) -> None:
-    """The thread that commits journaled batches runs at nice 19, so a request that arrives during
+    """The thread that commits journaled batches runs at nice 10, so a request that arrives during
     a commit is served at once instead of waiting for the commit's share of the core; the event
     loop's own thread keeps its priority."""
     async def run() -> None:
@@ -134,7 +134,7 @@ def test_the_store_thread_yields_the_cpu_to_the_event_loop(tmp_path: Path) -> No
                 return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
 
             loop_priority = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-            assert await store._run(priority) == 19
+            assert await store._run(priority) == NICE
             assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == loop_priority
             await store.record_usage(events, waited=False)  # a journaled batch: in that thread
             assert (await store.usage_totals(events[0].org_id))["events"] == 1
@@ -207,6 +207,30 @@ def test_a_request_journals_while_a_journaled_batch_commits(tmp_path: Path) -> N
             await ledger.settled()
             totals = await store.usage_totals(events[0].org_id)
             assert totals["events"] == 2 and totals["cost_nano"] == 2000
+        finally:
+            await ledger.stop()
+            await store.close()
+
+    asyncio.run(run())
+
+
+def test_journaling_stops_at_a_backlog_and_requests_wait_for_their_commit(tmp_path: Path) -> None:
+    """Journaled events wait for a commit that no request waits for, in a thread that yields the
+    CPU to the event loop: under full load that commit can fall behind. Once LINGER_EVENTS are
+    queued or committing, a request waits for its commit instead of journaling (back-pressure),
+    so the backlog, and the memory it holds, stays bounded."""
+    async def run() -> None:
+        store, events = await _sqlite_with_events(tmp_path, LINGER_EVENTS + 1)
+        ledger = Ledger(store, linger_s=60, journal=Journal(tmp_path / "journal"))
+        await ledger.start()
+        try:
+            for event in events[:LINGER_EVENTS]:  # journaled: each returns without a commit
+                await ledger.record(event)
+            assert ledger.depth == LINGER_EVENTS
+            await ledger.record(events[-1])  # the backlog is full: this one waits for its commit
+            assert await store.get_usage(events[-1].id) is not None
+            await ledger.settled()
+            assert (await store.usage_totals(events[0].org_id))["events"] == LINGER_EVENTS + 1
         finally:
             await ledger.stop()
             await store.close()

@@ -191,9 +191,14 @@ class Ledger:
         a request that came meanwhile and waited for the commit after it would wait out both.
         Under load this costs no latency (the commit is shared) and measured
         about 10 µs less CPU per request at 64 connections than journaling every event: requests
-        resume together after their commit and run their remaining work back to back."""
+        resume together after their commit and run their remaining work back to back.
+
+        Journaling stops at a backlog of LINGER_EVENTS (queued or committing): the store's thread
+        yields the CPU to the event loop, and under full load nothing else would stop the backlog,
+        and the memory it holds, from growing (measured at 3,700 requests a second with the thread
+        at nice 19: RSS +38% over 100,000 requests). A request then waits for its commit."""
         if (self.journal is not None and not self._waiting and (not self._batch or self._journal_only)
-                and self._journaled(event)):
+                and self.depth < LINGER_EVENTS and self._journaled(event)):
             return
         await self.submit(event)
 
