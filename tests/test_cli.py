@@ -260,6 +260,12 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _hangup_by_default() -> None:
+    """SIGHUP's default action in the gateway, as from a terminal: a test run under `nohup`
+    would otherwise pass on its ignored SIGHUP, and the hangup case would wait in vain."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 class Demo:
     def __init__(self) -> None:
         self.cwd = Path(tempfile.mkdtemp(prefix="kiln-demo-cwd-"))
@@ -269,6 +275,7 @@ class Demo:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kiln", "serve", "--port", str(self.port), "--data-dir", str(self.data_dir)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=self.cwd, env=env,
+            preexec_fn=_hangup_by_default,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.output: list[str] = []
