@@ -47,9 +47,10 @@ def timed(server: Server, path: str, body: dict, headers: str, seconds: int, cpu
           tmp: Path) -> list[tuple[float, float]]:
     """(sent µs, latency µs) of every request of a `seconds` run, after a 2 s warm-up."""
     (tmp / "body.json").write_bytes(orjson.dumps(body))
+    (tmp / "requests.tsv").write_text(f"{path}\t{tmp / 'body.json'}\n")
     out = tmp / "latencies.txt"
-    env = {**os.environ, "BENCH_PATH": path, "BENCH_BODY": str(tmp / "body.json"), "BENCH_HEADERS": headers,
-           "BENCH_OUT": str(out)}
+    env = {**os.environ, "BENCH_POST_LUA": str(HERE / "post.lua"), "BENCH_REQUESTS": str(tmp / "requests.tsv"),
+           "BENCH_HEADERS": headers, "BENCH_OUT": str(out)}
     for secs in (2, seconds):
         out.unlink(missing_ok=True)
         cmd = ["wrk", "-t1", "-c1", f"-d{secs}s", "-s", str(HERE / "timed.lua"), server.url]

@@ -2,7 +2,7 @@
 -- sent and how long its answer took (LuaJIT's FFI reads CLOCK_MONOTONIC; wrk's own histogram
 -- keeps no times). Lines "start_us latency_us" are appended to BENCH_OUT every 500 requests
 -- (wrk's done() runs in another Lua state and cannot see this thread's table).
---   BENCH_PATH, BENCH_BODY (a file), BENCH_HEADERS ("Name: value" lines), BENCH_OUT
+--   BENCH_POST_LUA (bench/post.lua, which reads BENCH_REQUESTS and BENCH_HEADERS), BENCH_OUT
 local ffi = require("ffi")
 ffi.cdef[[
 typedef struct { long tv_sec; long tv_nsec; } kiln_timespec;
@@ -14,20 +14,8 @@ local function now_us()
   return tonumber(ts.tv_sec) * 1e6 + tonumber(ts.tv_nsec) / 1e3
 end
 
-local function slurp(path)
-  local f = assert(io.open(path, "rb"))
-  local data = f:read("*a")
-  f:close()
-  return data
-end
-
-wrk.method = "POST"
-wrk.path = os.getenv("BENCH_PATH")
-wrk.body = slurp(os.getenv("BENCH_BODY"))
-wrk.headers["Content-Type"] = "application/json"
-for name, value in string.gmatch(os.getenv("BENCH_HEADERS") or "", "([^:\n]+):%s*([^\n]*)") do
-  wrk.headers[name] = value
-end
+dofile(os.getenv("BENCH_POST_LUA"))  -- bench/post.lua: the request and headers, as bench/run.py sends them
+done = nil  -- its summary line is not needed here
 
 local prepared, sent = nil, 0
 local lines = {}
