@@ -77,7 +77,7 @@ def wrk_corrected(lat: list[float], q: float) -> float:
     p99.9), which is why bench/run.py's c=1 p99 reads higher than this tool's."""
     if not lat:
         return 0.0
-    interval = (lat[-1] if len(lat) == 1 else sum(lat) / len(lat))  # one connection: requests back to back
+    interval = sum(lat) / len(lat)  # one connection: requests back to back
     extra = [m for latency in lat if latency >= 2 * interval
              for m in _steps(latency - interval, interval)]
     merged = sorted(lat + extra)
@@ -134,7 +134,8 @@ def main() -> int:
             for target in ("direct", "bare", "kiln"):
                 if target in runs:
                     rows = timed(*runs[target], a.seconds, load_cpu, tmp)
-                    results[target] = {**summary(rows), "gaps": slow_gaps(rows, summary(rows)["p99"])}
+                    stats = summary(rows)
+                    results[target] = {**stats, "gaps": slow_gaps(rows, stats["p99"])}
             report(results, round_)
     return 0
 
