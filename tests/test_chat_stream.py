@@ -486,3 +486,28 @@ def test_client_leaving_before_the_backend_answers_cancels_it_at_once(tenant: Te
     events = wait_for(lambda: [e for e in tenant.usage() if e["cancelled"]], what="the cancelled stream's event")
     assert len(events) == 1 and events[0]["completion_tokens"] == 0
     assert tenant.org()["in_flight"] == 0, "the admission slot is released"
+
+
+# -- the backend connection --------------------------------------------------------------------
+
+
+def test_a_finished_stream_leaves_its_backend_connection_to_the_next_request(tenant: Tenant, sim: Sim) -> None:
+    """A backend's stream ends with `[DONE]`, and its HTTP answer a moment later (the chunked
+    encoding's last chunk, often a read of its own): the connection still goes back to the pool
+    once that end comes, so streams one after another use one connection, as JSON answers do.
+    Closed instead, about half the streams paid for a new connection (the simulator saw 21 for
+    these 40)."""
+    bodies = {"/v1/chat/completions": ({"model": QWEN, "messages": HELLO}, "data: [DONE]"),
+              "/v1/completions": ({"model": QWEN, "prompt": "hi", "max_tokens": 8}, "data: [DONE]"),
+              "/v1/responses": ({"model": QWEN, "input": "hi"}, "event: response.completed"),
+              "/v1/messages": ({"model": QWEN, "max_tokens": 16, "messages": HELLO}, "event: message_stop")}
+    with tenant.http() as client:
+        client.post("/v1/chat/completions", json={"model": QWEN, "messages": HELLO})  # a warm connection
+        sim.reset()
+        for _ in range(10):
+            for path, (body, end) in bodies.items():
+                r = client.post(path, json={**body, "stream": True}, headers={"x-api-key": tenant.key})
+                assert r.status_code == 200 and end in r.text, r.text[-300:]
+    stats = sim.stats()
+    assert stats["total"] == 40
+    assert stats["connections"] <= 2, f"{stats['connections']} backend connections for 40 streams in a row"

@@ -206,6 +206,65 @@ def test_closing_an_unfinished_answer_closes_its_connection() -> None:
     run(main())
 
 
+def _stream_then(tail: Handler) -> Handler:
+    """A server whose every answer is a stream's last event, then `tail` (the message's end, or not)."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await read_request(reader):
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"e\r\ndata: [DONE]\n\n\r\n")
+            await writer.drain()
+            await tail(reader, writer)
+    return handler
+
+
+async def _ended_streams(server: Server, n: int) -> Pool:
+    """`n` streams one after another, each closed as ended once its last event is read."""
+    pool = Pool(server.url, 4, 1.0)
+    for _ in range(n):
+        resp = await pool.request("POST", "/x", {}, b"{}", idle_s=1.0)
+        assert (await resp.piece()).endswith(b"data: [DONE]\n\n")
+        resp.close(ended=True)
+        await asyncio.sleep(0.1)  # the end comes meanwhile (a request sent before it takes another connection)
+    return pool
+
+
+@pytest.mark.parametrize("late", [b"0\r\n\r\n", b"5\r\nextra\r\n0\r\n\r\n"], ids=["end", "more then end"])
+def test_a_stream_closed_as_ended_keeps_its_connection_once_its_message_ends(late: bytes) -> None:
+    """A stream's last event comes before the end of its HTTP message: the connection waits for
+    that end off the caller's path (anything else that comes first is dropped) and serves the
+    next request."""
+    async def later(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await asyncio.sleep(0.02)
+        writer.write(late)
+        await writer.drain()
+
+    async def main() -> None:
+        async with Server(_stream_then(later)) as server:
+            pool = await _ended_streams(server, 5)
+            assert server.connections == 1
+            pool.close()
+
+    run(main())
+
+
+def test_a_stream_closed_as_ended_whose_message_never_ends_loses_its_connection(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async def never(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the client closes the connection
+
+    async def main() -> None:
+        async with Server(_stream_then(never)) as server:
+            pool = await _ended_streams(server, 1)
+            await asyncio.wait_for(server.lost.wait(), 2)  # closed after SETTLE_S
+            assert server.open == 0
+            pool = await _ended_streams(server, 1)
+            assert server.connections == 2
+            pool.close()
+
+    monkeypatch.setattr(client, "SETTLE_S", 0.1)
+    run(main())
+
+
 def test_a_stream_read_slowly_holds_a_bounded_amount_in_memory() -> None:
     """Flow control: the socket stops being read while the caller is behind."""
     total = 16 * 1024 * 1024

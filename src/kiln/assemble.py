@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 import orjson
 
 from kiln.protocols.chat_backed import backend_json, choices_of, part_of, tool_calls_of
-from kiln.upstream import in_stream_error
+from kiln.upstream import END_OF_STREAM, in_stream_error
 
 
 @dataclass(slots=True)
@@ -45,7 +45,7 @@ async def assemble(batches: AsyncIterator[list[bytes]], chat: bool, stops: list[
     pieces = 0
     async for batch in batches:
         for payload in batch:
-            if payload == b"[DONE]":
+            if payload == END_OF_STREAM:
                 return Assembled(_body(head, choices, usage, chat), pieces, True)
             data = backend_json(payload)
             if "error" in data:

@@ -27,6 +27,7 @@ import httptools
 from kiln.running import running_loop
 
 HIGH_WATER = 256 * 1024  # bytes of a stream held unread before the socket stops being read
+SETTLE_S = 2.0  # how long an answer whose content has ended may take to end its HTTP message
 
 
 class ConnectFailed(Exception):
@@ -171,7 +172,7 @@ class Connection(asyncio.Protocol):
 
     __slots__ = ("pool", "transport", "parser", "idle_since", "uses", "status", "length", "chunked", "encoded",
                  "body", "buffered", "high_water", "paused", "headers_done", "complete", "keep_alive", "informational", "received", "error",
-                 "waiter", "loop", "wait_since", "watchdog", "_counted")
+                 "waiter", "loop", "wait_since", "watchdog", "settling", "_counted")
 
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
@@ -180,6 +181,7 @@ class Connection(asyncio.Protocol):
         self.loop = running_loop()
         self.idle_since = self.wait_since = 0.0
         self.watchdog: asyncio.TimerHandle | None = None
+        self.settling: asyncio.TimerHandle | None = None  # the end of an answer is awaited off the request's path
         self.uses = 0
         self._counted = True
         self._reset()
@@ -237,12 +239,33 @@ class Connection(asyncio.Protocol):
         else:
             self.watchdog = self.loop.call_at(due, self._watch, idle_s)
 
-    def done_with(self) -> None:
-        """The caller is done with the answer: keep the connection if the answer ended cleanly."""
+    def done_with(self, ended: bool = False) -> None:
+        """The caller is done with the answer: keep the connection if the answer ended cleanly,
+        or, when the caller knows its content `ended`, once its last bytes come (`_settle`)."""
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None
         if self.complete and self.keep_alive and self.error is None and self.transport is not None:
+            self.pool._put(self)
+        elif ended and not self.complete and self.error is None and self.transport is not None:
+            self._settle()
+        else:
+            self.close()
+
+    def _settle(self) -> None:
+        """Wait, off the request's path, for the end of an answer whose content has ended: a
+        stream's last event comes before its HTTP message ends (the chunked encoding's last
+        chunk), often in a read of its own. Its bytes are dropped; ended in `SETTLE_S`, the
+        connection goes back to the pool, else it is closed."""
+        self.body, self.buffered = [], 0
+        self.resume()
+        self.settling = self.loop.call_later(SETTLE_S, self.close)
+
+    def _settled(self) -> None:
+        assert self.settling is not None
+        self.settling.cancel()
+        self.settling = None
+        if self.keep_alive and self.error is None and self.transport is not None:
             self.pool._put(self)
         else:
             self.close()
@@ -251,6 +274,9 @@ class Connection(asyncio.Protocol):
         if self.watchdog is not None:
             self.watchdog.cancel()
             self.watchdog = None
+        if self.settling is not None:
+            self.settling.cancel()
+            self.settling = None
         if self.transport is not None:
             self.transport.close()
             self.transport = None
@@ -273,6 +299,10 @@ class Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(self.error or BrokenAnswer(f"not HTTP: {exc}"))
             return
+        if self.settling is not None:
+            if self.complete or self.error is not None:
+                self._settled()
+            return
         if self.buffered > self.high_water and not self.complete and not self.paused and self.transport:
             self.paused = True
             self.transport.pause_reading()
@@ -283,6 +313,9 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        if self.settling is not None:
+            self.settling.cancel()
+            self.settling = None
         if self.headers_done and not self.complete and self.length is None and not self.chunked:
             self.complete = True  # an answer delimited by the connection's end
         elif not self.complete and self.error is None:
@@ -338,8 +371,9 @@ class Connection(asyncio.Protocol):
         self.headers_done = True
 
     def on_body(self, body: bytes) -> None:
-        self.body.append(body)
-        self.buffered += len(body)
+        if self.settling is None:  # else dropped: the caller has had all it wanted
+            self.body.append(body)
+            self.buffered += len(body)
 
     def on_message_complete(self) -> None:
         if self.informational:
@@ -390,9 +424,11 @@ class Response:
         conn.resume()
         return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
-    def close(self) -> None:
-        """Done with it: an answer read to its end leaves its connection to the next request;
-        otherwise the connection is closed, which tells the server to stop generating."""
+    def close(self, ended: bool = False) -> None:
+        """Done with it: an answer read to its end leaves its connection to the next request, and
+        so does one whose content the caller knows has `ended` (a stream's last event), once the
+        rest of its HTTP message comes; otherwise the connection is closed, which tells the
+        server to stop generating."""
         conn, self._conn = self._conn, None
         if conn is not None:
-            conn.done_with()
+            conn.done_with(ended)

@@ -51,7 +51,7 @@ from kiln.protocols.base import Context, Translator, UpstreamCall
 from kiln.health import Outcome
 from kiln.router import Lease, Router, outcome_of
 from kiln.running import running_loop
-from kiln.upstream import Upstream
+from kiln.upstream import END_OF_STREAM, Upstream
 
 log = logging.getLogger("kiln.pipeline")
 
@@ -85,6 +85,7 @@ class _Run:
     lease: Lease | None = None  # the backend's in-flight slot, released with the outcome in _release
     streamed: bool = False  # the backend was asked to stream (kiln.backends: also for some JSON clients)
     read_any: bool = False  # a stream's backend sent events (else a failure may move it to another backend)
+    ended: bool = False  # a stream's backend sent its last event: its connection may serve the next request
     outcome: Outcome = Outcome.OK  # what the request says of the backend's health
 
 
@@ -248,10 +249,11 @@ class Gateway:
             answer = await assemble(self.upstream.events(resp), run.call.path == "/chat/completions",
                                     [stops] if isinstance(stops, str) else stops)
             run.delivered = answer.pieces  # the output's size if the backend's usage never came
+            run.ended = answer.complete
             return answer.body
         finally:
-            if run.streamed:
-                resp.close()  # cancels what is left of the generation (and llama.cpp closes it anyway)
+            if run.streamed:  # unless it ended, cancels what is left of the generation
+                resp.close(ended=run.ended)
             run.backend_s += time.monotonic() - started
 
     # -- streaming -------------------------------------------------------------
@@ -317,8 +319,8 @@ class Gateway:
             self._observe(run, 200, "internal")
             return last + tr.stream_error(errors.internal())
         finally:
-            if resp is not None:
-                resp.close()  # cancels the generation on the backend if it is still running
+            if resp is not None:  # unless it ended, cancels the generation on the backend
+                resp.close(ended=run.ended)
             if left:  # bill what was generated, off the response path but tracked
                 self.spawn(self._cut(run))
 
@@ -383,6 +385,7 @@ class Gateway:
                 await self._write(run, write, frames)
                 raise
             if done:
+                run.ended = batch[i - 1] == END_OF_STREAM
                 last = b"".join(frames)
                 if last and run.ttft_ms is None:
                     run.ttft_ms = (time.monotonic() - run.started) * 1000

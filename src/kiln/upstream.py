@@ -39,6 +39,7 @@ _OVERFLOW = re.compile(
 _TOKENS_IN_MESSAGE = re.compile(r"(\d+) input tokens|input \((\d+) tokens\)|request \((\d+) tokens\)")
 _ERROR_BODY_BYTES = 64 * 1024  # what is read of an error answer
 FAILOVER_STATUSES = (502, 503, 504)
+END_OF_STREAM = b"[DONE]"  # the payload that ends an OpenAI-shaped stream
 _SIDE_CONNECTIONS = 16  # per server, beside its requests' pool (count_tokens calls a tokenizer per request)
 _BROKEN = (TimeoutError, client.BrokenAnswer, OSError)  # what the client raises once connected
 

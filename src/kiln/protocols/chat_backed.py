@@ -24,7 +24,7 @@ from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
 from kiln.protocols.base import Context, Reply, Run, Step, as_bool
 from kiln.protocols.openai.errors import openai_error, openai_stream_error
-from kiln.upstream import in_stream_error
+from kiln.upstream import END_OF_STREAM, in_stream_error
 
 MALFORMED = "The model backend returned a malformed response."
 _DONE: Step = (b"", None, 0, True)
@@ -131,7 +131,7 @@ class ChatBacked(ABC):
         self._finish_reason: str | None = None  # the first output's, in chat terms
 
     def chunk(self, payload: bytes) -> Step:
-        if payload == b"[DONE]":
+        if payload == END_OF_STREAM:
             return _DONE
         if payload.startswith(b'{"error"'):
             raise in_stream_error(backend_json(payload))

@@ -40,20 +40,24 @@ class Stats:
     """Counters for /sim/stats."""
 
     __slots__ = ("in_flight", "max_in_flight", "total", "completed", "cancelled", "errors",
-                 "prompt_tokens", "cached_tokens")
+                 "prompt_tokens", "cached_tokens", "peers")
 
     def __init__(self) -> None:
         self.in_flight = self.max_in_flight = self.total = 0
         self.completed = self.cancelled = self.errors = 0
         self.prompt_tokens = self.cached_tokens = 0  # over generation requests: the prefix-cache hit ratio
+        self.peers: set[Any] = set()  # the client connections (address, port) /v1 calls came on
 
     def to_dict(self) -> dict[str, int]:
-        return {k: getattr(self, k) for k in self.__slots__}
+        out = {k: getattr(self, k) for k in self.__slots__ if k != "peers"}
+        out["connections"] = len(self.peers)  # how well a client reuses its connections
+        return out
 
     def reset(self) -> None:
         self.max_in_flight = self.in_flight
         self.total = self.completed = self.cancelled = self.errors = 0
         self.prompt_tokens = self.cached_tokens = 0
+        self.peers = set()
 
 
 def _int(value: Any) -> int | None:
@@ -106,6 +110,8 @@ class SimServer:
 
         async def wrapped(request: web.Request) -> web.StreamResponse:
             stats.total += 1
+            if request.transport is not None:
+                stats.peers.add(request.transport.get_extra_info("peername"))
             stats.in_flight += 1
             if stats.in_flight > stats.max_in_flight:
                 stats.max_in_flight = stats.in_flight
