@@ -14,7 +14,7 @@ about 0.2 ms of a quiet gateway's latency) and buys nothing when nothing else is
 waiting. The one writer to the file is this connection (checkpoints are PASSIVE),
 so no lock is waited for.
 
-The store's threads run below the event loop's CPU priority (nice 10, Linux): see `_yield_cpu`.
+The store's threads run in the idle scheduling class (Linux): see `_yield_cpu`.
 """
 
 from __future__ import annotations
@@ -62,25 +62,22 @@ _INSERT_USAGE = (f"INSERT INTO usage_events ({USAGE_COLUMNS}) VALUES ({','.join(
                  " ON CONFLICT (id) DO NOTHING")
 
 
-NICE = 10  # the store's threads' CPU priority (Linux), below the event loop's 0: see _yield_cpu
-
-
 def _yield_cpu() -> None:
-    """Lower the calling thread to `NICE` (Linux; elsewhere, or if refused, nothing).
+    """Put the calling thread in the idle scheduling class (Linux; elsewhere, or if refused, nothing).
 
     A batch of journaled events commits in the store's thread: about 2 ms of CPU for the 180
     events a quiet gateway journals in a tenth of a second. The gateway is one event loop, and
-    at the same priority that thread shared the loop's core with it for those 2 ms: the request
-    that came meanwhile waited, which was most of a single client's p99 tail (wrk at one
-    connection: the slow 1% came every 102 ms, with the commits). Lower, it gives the core back
-    as soon as the loop has work, and still gets its share under full load: at nice 10 about a
-    tenth of the core, more than a commit needs at the gateway's full rate (at nice 19, about
-    1.5%, the commits fell behind at 3,700 requests a second, and the ledger's backlog bound
-    made requests wait for them). Linux sets the priority per thread (setpriority with the
-    thread's id)."""
+    that thread shares the loop's core with it. At the same priority a request that came during
+    a commit waited for it (wrk at one connection: the slow 1% came every 102 ms, with the
+    commits). At nice 10 it still waited, for less: the kernel's scheduler (EEVDF) lets the
+    running thread finish its time slice before a woken one runs, a stall of 1.5 to 4.5 ms at
+    every commit. An idle-class thread gives the core up the moment the loop wakes, and runs
+    whenever the loop waits; under full load the ledger's backlog bound makes requests wait for
+    their commits, which gives it that time (measured at c=64: the same throughput and flat RSS
+    as at nice 10). Linux sets the class per thread (sched_setscheduler with the thread's id)."""
     if sys.platform.startswith("linux"):
         try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
+            os.sched_setscheduler(threading.get_native_id(), os.SCHED_IDLE, os.sched_param(0))
         except OSError:  # a sandbox may refuse it: the thread keeps its priority
             pass
 
