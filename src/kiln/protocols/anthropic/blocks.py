@@ -45,12 +45,12 @@ class _Tool:
 
 class Blocks:
     def __init__(self, thinking: bool, seal: ReasoningSeal, show_thinking: bool = True,
-                 single_tool_call: bool = False, keep_text: bool = True) -> None:
+                 single_tool_call: bool = False, stream: bool = False) -> None:
         self.thinking = thinking
         self.seal = seal
         self.show_thinking = show_thinking
         self.single_tool_call = single_tool_call  # keep only the first call (the model cannot be told)
-        self.keep_text = keep_text  # a JSON answer needs the whole text; a stream only its deltas
+        self.stream = stream  # a stream needs the events and only the deltas; a JSON answer the whole text
         self.blocks: list[dict[str, Any]] = []
         self.texts: dict[int, list[str]] = {}  # block index -> its text pieces (joined once, at the end)
         self.arguments: dict[int, str] = {}  # tool_use block index -> argument JSON text
@@ -87,7 +87,9 @@ class Blocks:
                 return
             self._held = ""
             self._start("text", {"type": "text", "text": ""})
-        self._keep(text)
+        if not self.stream:
+            self.texts.setdefault(len(self.blocks) - 1, []).append(text)
+            return
         # The most frequent event of all: its bytes from a template, not a dict.
         self._out.append(_TEXT_HEAD % (len(self.blocks) - 1) + body_of(text) + _TEXT_TAIL)
 
@@ -106,8 +108,9 @@ class Blocks:
             if k < len(bodies):
                 run = bodies[k:] if k else bodies
                 index = len(self.blocks) - 1
-                if self.keep_text:
+                if not self.stream:
                     self.texts[index].append(decode(run))
+                    continue
                 head = _TEXT_HEAD % index
                 self._out.append(head + (_TEXT_TAIL + head).join(run) + _TEXT_TAIL)
 
@@ -142,7 +145,8 @@ class Blocks:
             signature = self.seal.seal("".join(self.texts.get(index, ())))
             self.blocks[index]["signature"] = signature
             self._delta({"type": "signature_delta", "signature": signature})
-        self._out.append(sse_event("content_block_stop", {"type": "content_block_stop", "index": index}))
+        if self.stream:
+            self._out.append(sse_event("content_block_stop", {"type": "content_block_stop", "index": index}))
         self._open = None
 
     def content(self) -> list[dict[str, Any]]:
@@ -157,18 +161,17 @@ class Blocks:
             out.append(block)
         return out
 
-    def _keep(self, text: str) -> None:
-        if self.keep_text:
-            self.texts.setdefault(len(self.blocks) - 1, []).append(text)
-
     def _start(self, kind: str, block: dict[str, Any]) -> None:
         self.close()
         self._open = kind
         self.blocks.append(block)
-        start = {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": block}
-        self._out.append(sse_event("content_block_start", start))
+        if self.stream:
+            start = {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": block}
+            self._out.append(sse_event("content_block_start", start))
 
     def _delta(self, delta: dict[str, Any], index: int | None = None) -> None:
+        if not self.stream:  # a JSON answer: the blocks are read whole, by content()
+            return
         at = len(self.blocks) - 1 if index is None else index
         self._out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": at, "delta": delta}))
 

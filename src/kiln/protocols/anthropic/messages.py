@@ -107,7 +107,7 @@ class MessagesTranslator(ChatBacked):
             chat["parallel_tool_calls"] = forward
         self._id = new_id("msg_")
         self._blocks = Blocks(mapped.thinking, self.ctx.seal, mapped.show_thinking, single_tool_call=single,
-                              keep_text=not stream)
+                              stream=stream)
         self.stops = chat.get("stop", [])
         self._matcher = StopMatcher(self.stops) if self.stops else None
         chat["max_tokens"] = cap = self._clamp(asked, model.max_output_tokens)
