@@ -11,6 +11,10 @@ import sys
 import weakref
 from typing import Any
 
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import ADMIN_KEY, Gateway, Tenant
 from kiln.http import DISCONNECT, Disconnect, StreamOut, StreamResponse
 
 
@@ -70,3 +74,41 @@ def test_startup_objects_are_frozen_and_young_collections_are_rare() -> None:
             "gc.get_threshold()[1:] == before[1:])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True", "True"]
+
+
+# -- through the gateway ------------------------------------------------------------------------------
+
+# What a request's objects form no cycle with: each protocol's JSON answer and stream.
+REQUESTS = [
+    ("/v1/chat/completions", {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/completions", {"model": "qwen3-32b", "prompt": "hi", "max_tokens": 8}),
+    ("/v1/responses", {"model": "qwen3-32b", "input": "hi"}),
+    ("/v1/messages", {"model": "qwen3-32b", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}),
+]
+
+
+def collected(gateway: Gateway) -> float:
+    """Objects the gateway's cycle collector freed so far, every generation (its /metrics)."""
+    r = httpx.get(gateway.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+    return sum(s.value for f in text_string_to_metric_families(r.text) for s in f.samples
+               if s.name == "python_gc_objects_collected_total")
+
+
+def test_requests_leave_no_cyclic_garbage(gateway: Gateway, tenant: Tenant) -> None:
+    """A request's objects die by reference counting when it ends. Any that form a cycle wait for
+    the cycle collector, whose pauses (a young collection walks everything allocated since the
+    last) were most of a single client's slowest requests: 13 objects a request (the connection's
+    exchange and its scope, through the body reader the scope held) made a young collection every
+    770 requests, up to 3 ms each. Before the fix, these requests fed it about 30,000 objects."""
+    before = collected(gateway)
+    count = 0
+    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {tenant.key}",
+                                                    "x-api-key": tenant.key}, timeout=30) as client:
+        for _ in range(300):
+            for path, body in REQUESTS:
+                for stream in (False, True):
+                    r = client.post(path, json={**body, "stream": stream})
+                    assert r.status_code == 200, r.text
+                    count += 1
+    freed = collected(gateway) - before
+    assert freed < count / 10, f"{freed:.0f} objects freed by the cycle collector over {count} requests"
