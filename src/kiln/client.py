@@ -27,7 +27,9 @@ import httptools
 from kiln.running import running_loop
 
 HIGH_WATER = 256 * 1024  # bytes of a stream held unread before the socket stops being read
-SETTLE_S = 2.0  # how long an answer whose content has ended may take to end its HTTP message
+# How long an answer whose content has ended may take to end its HTTP message. Servers send that
+# end right after the last event; a connection that waits for it holds one of the pool's places.
+SETTLE_S = 0.5
 
 
 class ConnectFailed(Exception):
