@@ -254,12 +254,13 @@ def test_a_stream_closed_as_ended_whose_message_never_ends_loses_its_connection(
 
     async def main() -> None:
         async with Server(_stream_then(never)) as server:
-            pool = await _ended_streams(server, 1)
+            first = await _ended_streams(server, 1)
             await asyncio.wait_for(server.lost.wait(), 2)  # closed after SETTLE_S
             assert server.open == 0
-            pool = await _ended_streams(server, 1)
+            second = await _ended_streams(server, 1)
             assert server.connections == 2
-            pool.close()
+            first.close()
+            second.close()
 
     monkeypatch.setattr(client, "SETTLE_S", 0.1)
     run(main())

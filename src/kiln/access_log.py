@@ -69,25 +69,27 @@ def log_request(
     from its `key` if it got that far. `error` is the metrics' error type, if it failed."""
     if (logging.WARNING if status >= 500 else logging.INFO) < _min_level:
         return
-    if event is not None:  # the common line, without a test per field
-        fields: dict[str, Any] = {
-            "time": _now(), "generation_id": event.id, "org_id": event.org_id, "project_id": event.project_id,
-            "key_id": event.key_id, "model": event.model, "endpoint": endpoint, "status": status, "error": error,
-            "prompt_tokens": event.prompt_tokens, "cached_tokens": event.cached_tokens,
-            "completion_tokens": event.completion_tokens, "reasoning_tokens": event.reasoning_tokens,
-            "cost": nano_to_usd_str(event.cost_nano),
-            "ttft_ms": None if event.ttft_ms is None else round(event.ttft_ms, 1),
-            "duration_ms": round(duration_ms, 1), "backend": safe_url(backend or event.backend),
-            "cancelled": event.cancelled,
-        }
-    else:
-        fields = {
-            "time": _now(), "generation_id": None, "org_id": key.org_id if key else None,
-            "project_id": key.project_id if key else None, "key_id": key.id if key else None, "model": model,
-            "endpoint": endpoint, "status": status, "error": error, "prompt_tokens": 0, "cached_tokens": 0,
-            "completion_tokens": 0, "reasoning_tokens": 0, "cost": "0", "ttft_ms": None,
-            "duration_ms": round(duration_ms, 1), "backend": safe_url(backend), "cancelled": False,
-        }
+    owner: Any = event or key
+    fields: dict[str, Any] = {
+        "time": _now(),
+        "generation_id": event.id if event else None,
+        "org_id": owner.org_id if owner else None,
+        "project_id": owner.project_id if owner else None,
+        "key_id": event.key_id if event else (key.id if key else None),
+        "model": event.model if event else model,
+        "endpoint": endpoint,
+        "status": status,
+        "error": error,
+        "prompt_tokens": event.prompt_tokens if event else 0,
+        "cached_tokens": event.cached_tokens if event else 0,
+        "completion_tokens": event.completion_tokens if event else 0,
+        "reasoning_tokens": event.reasoning_tokens if event else 0,
+        "cost": nano_to_usd_str(event.cost_nano) if event else "0",
+        "ttft_ms": None if not event or event.ttft_ms is None else round(event.ttft_ms, 1),
+        "duration_ms": round(duration_ms, 1),
+        "backend": safe_url(backend or (event.backend if event else None)),
+        "cancelled": event.cancelled if event else False,
+    }
     _write(_render_json(fields) if _json else _render_text(fields))
 
 

@@ -267,10 +267,7 @@ class Connection(asyncio.Protocol):
         assert self.settling is not None
         self.settling.cancel()
         self.settling = None
-        if self.keep_alive and self.error is None and self.transport is not None:
-            self.pool._put(self)
-        else:
-            self.close()
+        self.done_with()  # ended cleanly: back to the pool; broken: closed
 
     def close(self) -> None:
         if self.watchdog is not None:
