@@ -111,6 +111,24 @@ def test_text_stream_grammar_usage_and_ledger(tenant: Tenant) -> None:
     assert usage["output_tokens_details"]["reasoning_tokens"] == event["reasoning_tokens"] > 0
 
 
+def test_text_that_needs_escaping_is_the_same_in_every_event_and_the_json_answer(tenant: Tenant) -> None:
+    """The closing events are written from the deltas' JSON string bodies, not re-encoded: a text
+    with quotes, backslashes, control characters and non-ASCII comes out the same everywhere."""
+    reply = 'Say "hi" \\ to C:\\temp\n\ttabs, caf\u00e9, \u65e5\u672c, \U0001f600 and \u2028 end.'
+    s = stream(tenant, {}, reply=reply)
+    final = check_grammar(s)
+    [done] = s.of("response.output_text.done")
+    [part] = [e["part"] for e in s.of("response.content_part.done") if e["part"]["type"] == "output_text"]
+    [message] = [item for item in final["output"] if item["type"] == "message"]
+    assert s.text() == reply == done["text"] == part["text"] == message["content"][0]["text"]
+    assert message["content"] == [part]
+    body = {"model": QWEN, "input": "Hello!", "sim": {"reply": reply, "tag": uuid.uuid4().hex}}
+    with tenant.http() as client:
+        answer = client.post("/v1/responses", json=body).json()
+    [json_message] = [item for item in answer["output"] if item["type"] == "message"]
+    assert {**json_message, "id": ""} == {**message, "id": ""}
+
+
 def test_function_and_custom_tool_calls_stream_as_items(tenant: Tenant) -> None:
     calls = [{"name": "get_weather", "arguments": {"city": "Paris"}},
              {"name": "apply_patch", "arguments": {"input": PATCH}}]

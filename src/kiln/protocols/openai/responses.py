@@ -137,7 +137,7 @@ class ResponsesTranslator(ChatBacked):
         final = self._snapshot(status, incomplete_details=details, error=error, output=events.output,
                                usage=_usage(usage), note=self._note)
         kind = {"completed": "response.completed", "incomplete": "response.incomplete"}.get(status, "response.failed")
-        return out + events.event(kind, response=orjson.Fragment(final))
+        return out + events.final(kind, final)
 
     def truncate(self, note: str) -> bytes:
         """The money ran out: end as at max tokens; finish() sends response.incomplete with the note."""
@@ -162,18 +162,18 @@ class ResponsesTranslator(ChatBacked):
         assert events is not None
         code = OVERFLOW if err.code == OVERFLOW else "server_error"
         final = self._snapshot("failed", error={"code": code, "message": err.message}, output=events.output)
-        return events.start() + events.event("response.failed", response=orjson.Fragment(final))
+        return events.start() + events.final("response.failed", final)
 
     # -- shaping ----------------------------------------------------------
 
     def _snapshot(self, status: str = "in_progress", *, error: dict[str, str] | None = None,
-                  incomplete_details: dict[str, str] | None = None, output: list[dict[str, Any]] | None = None,
+                  incomplete_details: dict[str, str] | None = None, output: list[Any] | None = None,
                   usage: dict[str, Any] | None = None, note: str = "") -> bytes:
         """The response object, encoded; the stream's skeleton until the keywords fill it in."""
         extra = b',"kiln_note":' + orjson.dumps(note) if note else b""
-        return _RESPONSE % (self._id.encode(), self._created, status.encode(), orjson.dumps(error),
-                            orjson.dumps(incomplete_details), self._echo, orjson.dumps(self.name),
-                            orjson.dumps(output or []), orjson.dumps(usage), extra)
+        return _RESPONSE % (self._id.encode(), self._created, status.encode(), _json(error), _json(incomplete_details),
+                            self._echo, orjson.dumps(self.name), orjson.dumps(output) if output else b"[]",
+                            _json(usage), extra)
 
     def _outcome(self, usage: Usage, streaming: bool) -> tuple[str, dict[str, str] | None, dict[str, str] | None]:
         """status, incomplete_details and error from how the generation ended."""
@@ -187,6 +187,11 @@ class ResponsesTranslator(ChatBacked):
         if reason == "content_filter":
             return "incomplete", {"reason": "content_filter"}, None
         return "completed", None, None
+
+
+def _json(value: dict[str, Any] | None) -> bytes:
+    """An optional object of the response, encoded (most of them are null on most answers)."""
+    return b"null" if value is None else orjson.dumps(value)
 
 
 def _usage(u: Usage) -> dict[str, Any]:

@@ -109,8 +109,28 @@ class _Call:
     closed: bool = False
 
 
+# The events of a text answer, from bytes: a dict and an orjson call each cost several times more,
+# and the texts are JSON string bodies already (text_runs.py). Keys in the order `event()` writes them.
 _TEXT_DELTA = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":%d,'
                b'"item_id":"%b","output_index":%d,"content_index":0,"delta":"%b","logprobs":[]}\n\n')
+_HEAD = (b'event: response.created\ndata: {"type":"response.created","sequence_number":%d,"response":%b}\n\n'
+         b'event: response.in_progress\ndata: {"type":"response.in_progress","sequence_number":%d,"response":%b}\n\n')
+_MESSAGE_ADDED = (
+    b'event: response.output_item.added\ndata: {"type":"response.output_item.added","sequence_number":%d,'
+    b'"output_index":%d,"item":{"type":"message","id":"%b","status":"in_progress","role":"assistant","content":[]}}\n\n'
+    b'event: response.content_part.added\ndata: {"type":"response.content_part.added","sequence_number":%d,'
+    b'"item_id":"%b","output_index":%d,"content_index":0,'
+    b'"part":{"type":"output_text","text":"","annotations":[],"logprobs":[]}}\n\n')
+_OUTPUT_TEXT = b'{"type":"output_text","text":"%b","annotations":[],"logprobs":[]}'
+_MESSAGE = b'{"type":"message","id":"%b","status":"completed","role":"assistant","content":[%b]}'
+_MESSAGE_DONE = (
+    b'event: response.output_text.done\ndata: {"type":"response.output_text.done","sequence_number":%d,'
+    b'"item_id":"%b","output_index":%d,"content_index":0,"text":"%b","logprobs":[]}\n\n'
+    b'event: response.content_part.done\ndata: {"type":"response.content_part.done","sequence_number":%d,'
+    b'"item_id":"%b","output_index":%d,"content_index":0,"part":%b}\n\n'
+    b'event: response.output_item.done\ndata: {"type":"response.output_item.done","sequence_number":%d,'
+    b'"output_index":%d,"item":%b}\n\n')
+_FINAL = b'event: %b\ndata: {"type":"%b","sequence_number":%d,"response":%b}\n\n'
 
 
 @dataclass
@@ -133,12 +153,12 @@ class EventStream:
 
     def __init__(self, items: Items, head: bytes, alive: bytes, single_tool_call: bool) -> None:
         self.items = items
-        self.head: orjson.Fragment | None = orjson.Fragment(head)  # dropped once sent: tens of KB with an agent's tools
+        self.head: bytes | None = head  # dropped once sent: tens of KB with an agent's tools
         self.alive = orjson.Fragment(alive)
         self.single_tool_call = single_tool_call
         self.seq = 0
         self.started = False
-        self.output: list[dict[str, Any]] = []  # closed items, in output_index order
+        self.output: list[dict[str, Any] | orjson.Fragment] = []  # closed items, in output_index order
         self.finish_reason: str | None = None
         self._open: _Open | None = None
         self._added = 0  # output indexes handed out
@@ -155,7 +175,14 @@ class EventStream:
             return b""
         self.started = True
         head, self.head = self.head, None
-        return self.event("response.created", response=head) + self.event("response.in_progress", response=head)
+        seq, self.seq = self.seq, self.seq + 2
+        return _HEAD % (seq, head, seq + 1, head)
+
+    def final(self, kind: str, response: bytes) -> bytes:
+        """The last event: `kind` (response.completed, .incomplete or .failed) with the response object."""
+        seq, self.seq = self.seq, self.seq + 1
+        name = kind.encode()
+        return _FINAL % (name, name, seq, response)
 
     def keepalive(self) -> bytes:
         """The smallest event that resets Codex's stream idle timer (an SSE comment does not)."""
@@ -225,16 +252,17 @@ class EventStream:
         item_id = new_id("rs_" if kind == "reasoning" else "msg_")
         self._open = _Open(kind, item_id, self._added)
         self._added += 1
-        base = {"item_id": item_id, "output_index": self._open.output_index}
+        index = self._open.output_index
         if kind == "message":
-            item = {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        else:
-            item = {"type": "reasoning", "id": item_id, "summary": [], "content": [], "encrypted_content": None}
-            part = {"type": "reasoning_text", "text": ""}
-        out = (self.event("response.output_item.added", output_index=self._open.output_index, item=item)
-               + self.event("response.content_part.added", **base, content_index=0, part=part))
-        if kind == "reasoning" and self.items.summary:
+            seq, self.seq = self.seq, self.seq + 2
+            ident = item_id.encode()
+            return _MESSAGE_ADDED % (seq, index, ident, seq + 1, ident, index)
+        base = {"item_id": item_id, "output_index": index}
+        item = {"type": "reasoning", "id": item_id, "summary": [], "content": [], "encrypted_content": None}
+        out = (self.event("response.output_item.added", output_index=index, item=item)
+               + self.event("response.content_part.added", **base, content_index=0,
+                            part={"type": "reasoning_text", "text": ""}))
+        if self.items.summary:
             out += self.event("response.reasoning_summary_part.added", **base, summary_index=0,
                               part={"type": "summary_text", "text": ""})
         return out
@@ -285,15 +313,12 @@ class EventStream:
         if item is None:
             return b""
         self._open = None
-        base = {"item_id": item.item_id, "output_index": item.output_index}
-        text = decode(item.text)
-        out = b""
         if item.kind == "message":
-            done = self.items.message(item.item_id, text)
-            part = done["content"][0]
-            out += (self.event("response.output_text.done", **base, content_index=0, text=text, logprobs=[])
-                    + self.event("response.content_part.done", **base, content_index=0, part=part))
-        elif item.kind == "reasoning":
+            return self._close_message(item)
+        base = {"item_id": item.item_id, "output_index": item.output_index}
+        out = b""
+        if item.kind == "reasoning":
+            text = decode(item.text)
             done = self.items.reasoning(item.item_id, text)
             out += (self.event("response.reasoning_text.done", **base, content_index=0, text=text)
                     + self.event("response.content_part.done", **base, content_index=0,
@@ -318,3 +343,13 @@ class EventStream:
                                   arguments=call.arguments)
         self.output.append(done)
         return out + self.event("response.output_item.done", output_index=item.output_index, item=done)
+
+    def _close_message(self, item: _Open) -> bytes:
+        """The three events that close a message, written from its text's JSON string bodies as
+        they came (each valid on its own, so their concatenation is one): no decode, no re-encode."""
+        body, ident, index = b"".join(item.text), item.item_id.encode(), item.output_index
+        part = _OUTPUT_TEXT % body
+        done = _MESSAGE % (ident, part)
+        self.output.append(orjson.Fragment(done))
+        seq, self.seq = self.seq, self.seq + 3
+        return _MESSAGE_DONE % (seq, ident, index, body, seq + 1, ident, index, part, seq + 2, index, done)
