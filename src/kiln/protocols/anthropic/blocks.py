@@ -146,7 +146,7 @@ class Blocks:
             self.blocks[index]["signature"] = signature
             self._delta({"type": "signature_delta", "signature": signature})
         if self.stream:
-            self._out.append(sse_event("content_block_stop", {"type": "content_block_stop", "index": index}))
+            self._out.append(_BLOCK_STOP % index)
         self._open = None
 
     def content(self) -> list[dict[str, Any]]:
@@ -165,7 +165,11 @@ class Blocks:
         self.close()
         self._open = kind
         self.blocks.append(block)
-        if self.stream:
+        if not self.stream:
+            return
+        if kind == "text":
+            self._out.append(_TEXT_START % (len(self.blocks) - 1))
+        else:
             start = {"type": "content_block_start", "index": len(self.blocks) - 1, "content_block": block}
             self._out.append(sse_event("content_block_start", start))
 
@@ -176,7 +180,11 @@ class Blocks:
         self._out.append(sse_event("content_block_delta", {"type": "content_block_delta", "index": at, "delta": delta}))
 
 
-# A text delta around its JSON string body.
+# The events of a text block, from bytes (a dict and an orjson call each cost several times more):
+# its start, a delta around its JSON string body, and the stop every block ends with.
+_TEXT_START = (b'event: content_block_start\ndata: {"type":"content_block_start","index":%d,'
+               b'"content_block":{"type":"text","text":""}}\n\n')
+_BLOCK_STOP = b'event: content_block_stop\ndata: {"type":"content_block_stop","index":%d}\n\n'
 _TEXT_HEAD = (b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
               b'"delta":{"type":"text_delta","text":"')
 _TEXT_TAIL = b'"}}\n\n'

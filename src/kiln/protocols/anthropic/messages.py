@@ -36,6 +36,15 @@ from kiln.upstream import overflow_tokens
 
 MIN_OUTPUT = 1024  # max_tokens asked for even when the (high) prompt estimate leaves less room
 PING = sse_event("ping", {"type": "ping"})
+MESSAGE_STOP = sse_event("message_stop", {"type": "message_stop"})
+# The first and the last events of every stream, from bytes; keys in the order the dicts had them.
+_MESSAGE_START = (b'event: message_start\ndata: {"type":"message_start","message":{"id":"%b","type":"message",'
+                  b'"role":"assistant","model":%b,"content":[],"stop_reason":null,"stop_sequence":null,'
+                  b'"usage":{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":%d,'
+                  b'"output_tokens":0}}}\n\n')
+_MESSAGE_DELTA = (b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"%b","stop_sequence":%b},'
+                  b'"usage":{"input_tokens":%d,"cache_creation_input_tokens":0,"cache_read_input_tokens":%d,'
+                  b'"output_tokens":%d}}\n\n')
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -189,12 +198,16 @@ class MessagesTranslator(ChatBacked):
         if self._matcher is not None:
             self._blocks.text(self._matcher.flush())  # the tail held back in case it began a stop sequence
         self._blocks.close()
-        delta: dict[str, Any] = {"stop_reason": self._stop_reason(), "stop_sequence": self._stop_sequence}
-        event: dict[str, Any] = {"type": "message_delta", "delta": delta, "usage": _usage(usage)}
+        stop = self._stop_sequence
         if self._note:
-            event["kiln_note"] = self._note
-        end = sse_event("message_delta", event) + sse_event("message_stop", {"type": "message_stop"})
-        return head + self._blocks.take() + end
+            delta: dict[str, Any] = {"stop_reason": self._stop_reason(), "stop_sequence": stop}
+            event = {"type": "message_delta", "delta": delta, "usage": _usage(usage), "kiln_note": self._note}
+            end = sse_event("message_delta", event)
+        else:
+            end = _MESSAGE_DELTA % (self._stop_reason().encode(), b"null" if stop is None else orjson.dumps(stop),
+                                    usage.prompt_tokens - usage.cached_tokens, usage.cached_tokens,
+                                    usage.completion_tokens)
+        return head + self._blocks.take() + end + MESSAGE_STOP
 
     def truncate(self, note: str) -> bytes:
         """The gateway ends the output (the money ran out): finish() reports max_tokens."""
@@ -210,13 +223,10 @@ class MessagesTranslator(ChatBacked):
         if self._started:
             return b""
         self._started = True
-        usage = _usage(self._usage)
-        if not self._usage.exact:  # nothing reported yet: the prompt estimate until message_delta
-            usage["input_tokens"] = self.prompt_estimate
-        usage["output_tokens"] = 0
-        message: dict[str, Any] = {"id": self._id, "type": "message", "role": "assistant", "model": self.name,
-                                   "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}
-        return sse_event("message_start", {"type": "message_start", "message": message})
+        u = self._usage
+        # Nothing reported yet: the prompt estimate until message_delta.
+        prompt = u.prompt_tokens - u.cached_tokens if u.exact else self.prompt_estimate
+        return _MESSAGE_START % (self._id.encode(), orjson.dumps(self.name), prompt, u.cached_tokens)
 
     # -- shared by both forms ----------------------------------------------
 
