@@ -77,7 +77,7 @@ def test_request_returns_an_upstream_call_and_the_cap_is_lowered_only_through_it
     call = ChatTranslator(CTX).request({"model": "alias-m", "messages": HI, "max_completion_tokens": 100, "n": 2})
     assert (call.model, call.path, call.stream, call.max_output_tokens, call.outputs) == (MODEL, "/chat/completions",
                                                                                          False, 100, 2)
-    assert "model" not in call.body and call.tokenize == {"messages": HI}
+    assert "model" not in call.body and call.prompt() == {"messages": HI}
     call.lower_cap(40)
     sent = json.loads(call.encode("backend-m"))
     assert sent["model"] == "backend-m" and sent["max_tokens"] == 40 and "max_completion_tokens" not in sent
@@ -94,8 +94,8 @@ def test_every_protocol_maps_to_an_upstream_call() -> None:
         ("/completions", False, 7, 6, "generation"), ("/chat/completions", True, 50, 1, "generation"),
         ("/chat/completions", False, 64, 1, "generation"), ("/tokenize", False, 0, 1, "count")]
     assert calls[1].body["stream_options"] == {"include_usage": True}
-    assert calls[3].tokenize["tools"][0]["function"]["name"] == "get_weather"
-    assert calls[3].tokenize["add_generation_prompt"] is True
+    assert calls[3].prompt()["tools"][0]["function"]["name"] == "get_weather"
+    assert calls[3].prompt()["add_generation_prompt"] is True
 
 
 def test_a_backend_answer_of_the_wrong_shape_is_a_502_not_a_defect() -> None:

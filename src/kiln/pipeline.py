@@ -421,9 +421,10 @@ class Gateway:
             candidates = self.router.candidates(call.model)
         except GatewayError:
             candidates = []
-        count = await backends.count(self.upstream, candidates, call.tokenize)
+        asked = call.prompt()
+        count = await backends.count(self.upstream, candidates, asked)
         if count is None:
-            count = backends.estimate(call.tokenize)
+            count = backends.estimate(asked)
             log.warning("count_tokens for %s is an estimate: no backend tokenizer answered", call.model.id)
         observe.finished(tr.endpoint, call.model.id, 200, "none", started=started, key=key, event=None,
                          backend_url=None, backend_s=0.0, trace=trace)
@@ -478,12 +479,12 @@ class Gateway:
     async def _estimate(self, run: _Run) -> Usage:
         """Usage the backend never reported (client left, stream cut): the prompt from the
         backend's tokenizer, the output from the pieces delivered. Marked inexact."""
-        call = run.call
+        call, asked = run.call, run.call.prompt()
         prompt = None
         if run.backend is not None:
-            prompt = await backends.count(self.upstream, [run.backend], call.tokenize)
+            prompt = await backends.count(self.upstream, [run.backend], asked)
         if prompt is None:
-            prompt = backends.estimate(call.tokenize)
+            prompt = backends.estimate(asked)
             log.warning("usage for %s estimated without the backend's tokenizer", run.generation_id)
         completion = min(run.delivered, call.max_output_tokens * call.outputs)
         return Usage(min(prompt, call.model.context_window), 0, completion, 0, exact=False)

@@ -65,7 +65,7 @@ class UpstreamCall:
     stream: bool
     max_output_tokens: int  # per output: the most the backend may generate
     outputs: int = 1  # completions the backend generates (prompts x n)
-    tokenize: dict[str, Any] = field(default_factory=dict)  # what the backend tokenizer counts (the prompt)
+    tokenize: dict[str, Any] | None = None  # what the backend tokenizer counts; None: the chat body's prompt
     affinity: str | None = None  # routing key: requests with the same key share a prefix cache
     kind: str = "generation"  # "count": count the prompt, generate nothing
 
@@ -74,6 +74,11 @@ class UpstreamCall:
         self.max_output_tokens = tokens
         self.body.pop("max_completion_tokens", None)
         self.body["max_tokens"] = tokens
+
+    def prompt(self) -> dict[str, Any]:
+        """What the backend's tokenizer counts: given, or a chat body's prompt (prompt_of), made
+        when a count is needed (count_tokens, a cut stream's bill) rather than on every request."""
+        return self.tokenize if self.tokenize is not None else prompt_of(self.body)
 
     def encode(self, backend_model: str) -> bytes:
         self.body["model"] = backend_model

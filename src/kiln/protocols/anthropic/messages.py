@@ -24,7 +24,7 @@ from kiln.protocols import capabilities
 from kiln.protocols.anthropic.blocks import Blocks
 from kiln.protocols.anthropic.request import Prompt, build_chat, estimate_tokens
 from kiln.protocols.base import (
-    JSON, Context, Reply, Run, Step, UpstreamCall, new_id, positive_int, prompt_of, sse_event,
+    JSON, Context, Reply, Run, Step, UpstreamCall, new_id, positive_int, sse_event,
 )
 from kiln.protocols.chat_backed import (
     ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag, text_of,
@@ -125,7 +125,7 @@ class MessagesTranslator(ChatBacked):
             # Continuous stats put the prompt size on the first chunk (for message_start) and keep
             # billing exact when a stop sequence or a leaving client ends the stream early.
             chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        return UpstreamCall(model, "/chat/completions", chat, stream, cap, tokenize=prompt_of(chat))
+        return UpstreamCall(model, "/chat/completions", chat, stream, cap)
 
     def _clamp(self, asked: int, model_max: int) -> int:
         """max_tokens that fits the context with the prompt, by estimate.

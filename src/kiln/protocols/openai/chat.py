@@ -17,7 +17,7 @@ from typing import Any
 from kiln.catalog import Model
 from kiln.core import errors
 from kiln.protocols import capabilities
-from kiln.protocols.base import Context, UpstreamCall, as_bool, positive_int, prompt_of
+from kiln.protocols.base import Context, UpstreamCall, as_bool, positive_int
 from kiln.protocols.chat_backed import lookup_model
 from kiln.protocols.openai.passthrough import Passthrough
 from kiln.protocols.stop import StopMatcher, cut_at_stop, parse_stop
@@ -69,7 +69,7 @@ class ChatTranslator(Passthrough):
             n = 1
         if not positive_int(n):
             raise errors.invalid("'n' must be a positive integer.", param="n")
-        return UpstreamCall(model, "/chat/completions", body, stream, cap, outputs=n, tokenize=prompt_of(body))
+        return UpstreamCall(model, "/chat/completions", body, stream, cap, outputs=n)
 
     # -- JSON answer ----------------------------------------------------------
 

@@ -24,7 +24,7 @@ import orjson
 
 from kiln.core.errors import GatewayError
 from kiln.core.records import Usage
-from kiln.protocols.base import SSE, Context, Reply, Run, Step, UpstreamCall, new_id, prompt_of
+from kiln.protocols.base import SSE, Context, Reply, Run, Step, UpstreamCall, new_id
 from kiln.protocols.chat_backed import (
     ChatBacked, backend_json, choices_of, lookup_model, malformed, part_of, stream_flag,
 )
@@ -83,7 +83,7 @@ class ResponsesTranslator(ChatBacked):
             self._events = EventStream(self._items, self._snapshot(), orjson.dumps(alive),
                                        mapped.single_tool_call)
         cap = chat.get("max_tokens", model.max_output_tokens)
-        return UpstreamCall(model, "/chat/completions", chat, stream, cap, tokenize=prompt_of(chat))
+        return UpstreamCall(model, "/chat/completions", chat, stream, cap)
 
     # -- JSON answer ----------------------------------------------------
 
