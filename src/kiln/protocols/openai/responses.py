@@ -78,10 +78,7 @@ class ResponsesTranslator(ChatBacked):
         self._items = Items(mapped.custom_tools, self.ctx.seal if mapped.encrypted_reasoning else None,
                             mapped.summary, mapped.namespaced)
         if stream:
-            alive = {"id": self._id, "object": "response", "created_at": self._created, "status": "in_progress",
-                     "model": self.name}
-            self._events = EventStream(self._items, self._snapshot(), orjson.dumps(alive),
-                                       mapped.single_tool_call)
+            self._events = EventStream(self._items, self._snapshot(), mapped.single_tool_call)
         cap = chat.get("max_tokens", model.max_output_tokens)
         return UpstreamCall(model, "/chat/completions", chat, stream, cap)
 
@@ -147,8 +144,11 @@ class ResponsesTranslator(ChatBacked):
         return b""
 
     def keepalive(self) -> bytes:
+        """After the head, an in_progress event that carries only the fields that identify the
+        response (made here: most streams never wait long enough for one)."""
         assert self._events is not None
-        return self._events.keepalive()
+        return self._events.keepalive({"id": self._id, "object": "response", "created_at": self._created,
+                                       "status": "in_progress", "model": self.name})
 
     def error(self, err: GatewayError) -> Reply:
         """An overflow on a streamed request is a 200 stream ending in response.failed, for Codex."""

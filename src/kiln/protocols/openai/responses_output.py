@@ -147,14 +147,13 @@ class EventStream:
 
     `head` is the response object as it stands before any output, encoded
     once: `response.created` and `response.in_progress` both carry it, and a
-    keepalive carries only `alive`, the few fields that identify the response
-    (Codex resets its idle timer on any event; SDKs keep their snapshot).
+    keepalive carries only the few fields that identify the response (Codex
+    resets its idle timer on any event; SDKs keep their snapshot).
     """
 
-    def __init__(self, items: Items, head: bytes, alive: bytes, single_tool_call: bool) -> None:
+    def __init__(self, items: Items, head: bytes, single_tool_call: bool) -> None:
         self.items = items
         self.head: bytes | None = head  # dropped once sent: tens of KB with an agent's tools
-        self.alive = orjson.Fragment(alive)
         self.single_tool_call = single_tool_call
         self.seq = 0
         self.started = False
@@ -184,9 +183,10 @@ class EventStream:
         name = kind.encode()
         return _FINAL % (name, name, seq, response)
 
-    def keepalive(self) -> bytes:
-        """The smallest event that resets Codex's stream idle timer (an SSE comment does not)."""
-        return self.start() or self.event("response.in_progress", response=self.alive)
+    def keepalive(self, alive: dict[str, Any]) -> bytes:
+        """The smallest event that resets Codex's stream idle timer (an SSE comment does not):
+        the head if it has not gone out, else response.in_progress with `alive` as the response."""
+        return self.start() or self.event("response.in_progress", response=alive)
 
     def feed(self, choice: dict[str, Any], delta: dict[str, Any]) -> tuple[bytes, bool]:
         """One choice of a chat chunk: the events, and whether it carried output."""
