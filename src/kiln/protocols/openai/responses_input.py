@@ -70,23 +70,8 @@ def map_request(body: dict[str, Any], model: Model, seal: ReasoningSeal | None) 
         raise errors.invalid("'instructions' must be a string.", param="instructions")
 
     tools, custom, namespaced = _map_tools(body.get("tools"))
-    history = _History(model, seal, {v: k for k, v in namespaced.items()})
-    if instructions:
-        history.system.append(instructions)
-    raw_input = body.get("input")
-    if isinstance(raw_input, str):
-        history.add_message(0, {"role": "user", "content": raw_input})
-    elif isinstance(raw_input, list):
-        for i, item in enumerate(raw_input):
-            history.add(i, item)
-    messages = history.finish()
-    if not any(m["role"] != "system" for m in messages):
-        raise errors.invalid(
-            "Invalid 'input': send a string or an array with at least one message.", param="input", code="empty_array"
-        )
-
     chat: dict[str, Any] = {k: v for k, v in body.items() if k not in _CONSUMED}
-    chat["messages"] = messages
+    chat["messages"] = _messages(body.get("input"), instructions, model, seal, namespaced)
     if tools:
         chat["tools"] = tools
         choice = _map_tool_choice(body.get("tool_choice"), tools, model)
@@ -112,9 +97,36 @@ def map_request(body: dict[str, Any], model: Model, seal: ReasoningSeal | None) 
         chat["max_tokens"] = min(limit, model.max_output_tokens)
     _map_effort(reasoning.get("effort"), model, chat)
     _map_text_format(body.get("text"), model, chat)
-    out.echo = {
+    out.echo = _echo(body, out.max_output_tokens, instructions, reasoning, parallel)
+    return out
+
+
+def _messages(raw_input: Any, instructions: str | None, model: Model, seal: ReasoningSeal | None,
+              namespaced: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+    """The chat messages of `input` (a string or items) after the instructions; at least one
+    that is not a system message."""
+    history = _History(model, seal, {v: k for k, v in namespaced.items()})
+    if instructions:
+        history.system.append(instructions)
+    if isinstance(raw_input, str):
+        history.add_message(0, {"role": "user", "content": raw_input})
+    elif isinstance(raw_input, list):
+        for i, item in enumerate(raw_input):
+            history.add(i, item)
+    messages = history.finish()
+    if not any(m["role"] != "system" for m in messages):
+        raise errors.invalid(
+            "Invalid 'input': send a string or an array with at least one message.", param="input", code="empty_array"
+        )
+    return messages
+
+
+def _echo(body: dict[str, Any], max_output_tokens: int | None, instructions: str | None,
+          reasoning: dict[str, Any], parallel: Any) -> dict[str, Any]:
+    """The request fields the response object repeats, with OpenAI's defaults where absent."""
+    return {
         "instructions": instructions,
-        "max_output_tokens": out.max_output_tokens,
+        "max_output_tokens": max_output_tokens,
         "metadata": body.get("metadata") if isinstance(body.get("metadata"), dict) else {},
         "parallel_tool_calls": as_bool(parallel) is not False,
         "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
@@ -124,7 +136,6 @@ def map_request(body: dict[str, Any], model: Model, seal: ReasoningSeal | None) 
         "tools": body.get("tools") or [],
         "top_p": body.get("top_p"),
     }
-    return out
 
 
 def _check_stateless(body: dict[str, Any]) -> None:
