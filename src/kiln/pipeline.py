@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Mapping
 
@@ -32,13 +31,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln import access_log, backends, client, metrics, observe, tracing
+from kiln.admitted import Admitted, cost_nano, estimated_usage, trusted_usage
 from kiln.assemble import assemble
 from kiln.affinity import affinity_key
 from kiln.catalog import Backend, Catalog
 from kiln.config import Settings
 from kiln.core import errors
 from kiln.core.accounts import Accounts
-from kiln.core.admission import AdmissionControl, Ticket
+from kiln.core.admission import AdmissionControl
 from kiln.core.clock import Clock
 from kiln.core.errors import GatewayError
 from kiln.core.keys import bearer_token
@@ -49,7 +49,7 @@ from kiln.deadline import Deadline
 from kiln.http import DisconnectGuard, JSONAnswer, StreamOut, StreamResponse, Write, header_map, read_body
 from kiln.protocols.base import Context, Translator, UpstreamCall
 from kiln.health import Outcome
-from kiln.router import Lease, Router, outcome_of
+from kiln.router import Router, outcome_of
 from kiln.running import running_loop
 from kiln.upstream import END_OF_STREAM, Upstream
 
@@ -62,31 +62,6 @@ REQUEST_TIMEOUT = "The request took longer than the gateway's time limit."
 KEY_NOTE = "This API key is no longer active: the stream was stopped."
 
 MakeTranslator = Callable[[Context], Translator]
-
-
-@dataclass
-class _Run:
-    """One admitted request, as the steps after admission see it."""
-
-    key: ApiKey
-    tr: Translator
-    call: UpstreamCall
-    ticket: Ticket
-    started: float
-    generation_id: str
-    deadline: float
-    trace: tracing.Trace
-    backend: Backend | None = None
-    usage: Usage | None = None  # the latest the backend reported
-    delivered: int = 0  # output pieces that reached the client (about one token each)
-    ttft_ms: float | None = None
-    backend_s: float = 0.0  # time spent waiting for the backend (the rest is the gateway's own)
-    metered: tuple[UsageEvent, Usage] | None = None  # the event, once recorded
-    lease: Lease | None = None  # the backend's in-flight slot, released with the outcome in _release
-    streamed: bool = False  # the backend was asked to stream (kiln.backends: also for some JSON clients)
-    read_any: bool = False  # a stream's backend sent events (else a failure may move it to another backend)
-    ended: bool = False  # a stream's backend sent its last event: its connection may serve the next request
-    outcome: Outcome = Outcome.OK  # what the request says of the backend's health
 
 
 class Gateway:
@@ -168,7 +143,7 @@ class Gateway:
             call.lower_cap(ticket.output_tokens // ticket.outputs)
         if self.router.uses_affinity(call.model):  # else no routing key is worth its hash
             call.affinity = affinity_key(body, tr.endpoint, headers)
-        run = _Run(key, tr, call, ticket, started, generation_id, started + self.settings.request_timeout_s, trace)
+        run = Admitted(key, tr, call, ticket, started, generation_id, started + self.settings.request_timeout_s, trace)
         self.in_flight += 1
         try:
             if call.stream:
@@ -183,7 +158,7 @@ class Gateway:
             await self._release(run)
             raise
 
-    async def _failed(self, run: _Run, err: GatewayError) -> Response:
+    async def _failed(self, run: Admitted, err: GatewayError) -> Response:
         """An error answer after admission. The gateway's or the backend's failures are recorded
         (cost 0: nothing reached the client) under an id the client receives; the client's
         own mistakes (a 4xx from the backend) are not billed and leave no event."""
@@ -198,7 +173,7 @@ class Gateway:
 
     # -- calling the backend ------------------------------------------------
 
-    async def _send(self, run: _Run, failed: list[Backend] | None = None) -> client.Response:
+    async def _send(self, run: Admitted, failed: list[Backend] | None = None) -> client.Response:
         """POST to a backend the router chooses (none of `failed`); it fails over before the
         backend's answer starts."""
         call = run.call
@@ -216,7 +191,7 @@ class Gateway:
         resp, run.lease = await self.router.send(call.model, call.affinity, post, call.stream, failed or ())
         return resp
 
-    async def _complete(self, run: _Run, request: Request) -> Response | JSONAnswer:
+    async def _complete(self, run: Admitted, request: Request) -> Response | JSONAnswer:
         """Non-streaming: one upstream JSON body, cancelled if the client leaves."""
         try:
             with DisconnectGuard(request.receive, request.scope) as guard:
@@ -238,7 +213,7 @@ class Gateway:
         self._observe(run, 200)
         return JSONAnswer(body, headers)
 
-    async def _fetch(self, run: _Run) -> bytes:
+    async def _fetch(self, run: Admitted) -> bytes:
         """The backend's JSON answer; assembled from its stream when it was asked to stream."""
         resp = await self._send(run)
         started = time.monotonic()
@@ -258,7 +233,7 @@ class Gateway:
 
     # -- streaming -------------------------------------------------------------
 
-    def _stream(self, run: _Run) -> StreamResponse:
+    def _stream(self, run: Admitted) -> StreamResponse:
         def keepalive() -> bytes:
             metrics.record_keepalive(run.tr.endpoint)
             return run.tr.keepalive()
@@ -266,7 +241,7 @@ class Gateway:
         return StreamResponse(lambda out: self._pump(run, out), {GENERATION_HEADER: run.generation_id}, keepalive,
                               self.settings.keepalive_s)
 
-    async def _pump(self, run: _Run, out: StreamOut) -> bytes | Response:
+    async def _pump(self, run: Admitted, out: StreamOut) -> bytes | Response:
         """Backend SSE -> client frames; meter before the last byte, whatever happens. Returns
         the last frames (the last output, the usage and end events, or the error), which end the
         response, or an error response if the backend failed before the 200 went out.
@@ -324,7 +299,7 @@ class Gateway:
             if left:  # bill what was generated, off the response path but tracked
                 self.spawn(self._cut(run))
 
-    def _may_move(self, run: _Run, out: StreamOut, err: GatewayError, failed: list[Backend]) -> bool:
+    def _may_move(self, run: Admitted, out: StreamOut, err: GatewayError, failed: list[Backend]) -> bool:
         """Whether a stream whose backend failed can move to another one: it failed before sending
         anything (nothing was read from it, nothing reached the client), and another backend is
         left within `retries`."""
@@ -334,7 +309,7 @@ class Gateway:
             return False
         return any(b is not run.backend and b not in failed for b in run.call.model.backends)
 
-    def _moved(self, run: _Run, err: GatewayError, failed: list[Backend]) -> None:
+    def _moved(self, run: Admitted, err: GatewayError, failed: list[Backend]) -> None:
         backend, lease = run.backend, run.lease
         assert backend is not None and lease is not None
         log.warning("backend %s failed %s before its first output (%s); moving it to another backend",
@@ -343,7 +318,7 @@ class Gateway:
         run.lease = None
         failed.append(backend)
 
-    async def _forward(self, run: _Run, resp: client.Response, write: Write) -> bytes:
+    async def _forward(self, run: Admitted, resp: client.Response, write: Write) -> bytes:
         """Forward the stream until the translator needs no more of it; then the frames of the
         last read, not yet written (they go out with the end of the response: one write, not
         two). A backend stream that ends first is a 502."""
@@ -395,20 +370,20 @@ class Gateway:
         raise errors.bad_gateway("The model backend ended the stream early.")
 
     @staticmethod
-    async def _write(run: _Run, write: Write, frames: list[bytes]) -> None:
+    async def _write(run: Admitted, write: Write, frames: list[bytes]) -> None:
         out = b"".join(frames)
         if out:
             if run.ttft_ms is None:
                 run.ttft_ms = (time.monotonic() - run.started) * 1000
             await write(out)
 
-    async def _extend(self, run: _Run) -> bool:
+    async def _extend(self, run: Admitted) -> bool:
         """Reserve the next block of output; False when the money left covers none. A key
         suspended or revoked meanwhile ends its streams here (403 in the stream)."""
         key = run.key
         if key.status != "active":
             raise errors.forbidden(f"{KEY_NOTE} (the key is {key.status})", code=f"key_{key.status}")
-        delivered = self._cost(run, self._trusted(run) or Usage(0, 0, run.delivered))
+        delivered = cost_nano(run, trusted_usage(run) or Usage(0, 0, run.delivered))
         return await self.admission.extend(run.ticket, key, self.accounts.org(key.org_id),
                                            delivered_nano=delivered) > 0
 
@@ -432,7 +407,7 @@ class Gateway:
 
     # -- metering ----------------------------------------------------------------
 
-    async def _meter(self, run: _Run, status: str = "ok", cancelled: bool = False) -> tuple[UsageEvent, Usage]:
+    async def _meter(self, run: Admitted, status: str = "ok", cancelled: bool = False) -> tuple[UsageEvent, Usage]:
         """Write the usage event (durable when this returns) and release admission; once per run
         (a second outcome for the same request, e.g. cut while failing, keeps the first)."""
         if run.metered is not None:
@@ -441,13 +416,13 @@ class Gateway:
         if failed and not run.delivered:
             usage = Usage()  # nothing reached the client: nothing is billed
         else:
-            usage = self._trusted(run) or await self._estimate(run)
+            usage = trusted_usage(run) or await estimated_usage(self.upstream, run)
         key, tr = run.key, run.tr
         event = UsageEvent(
             id=run.generation_id, created_at=self.clock.time(), org_id=key.org_id, project_id=key.project_id,
             key_id=key.id, model=run.call.model.id, endpoint=tr.endpoint, prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
-            reasoning_tokens=usage.reasoning_tokens, cost_nano=self._cost(run, usage), status=status,
+            reasoning_tokens=usage.reasoning_tokens, cost_nano=cost_nano(run, usage), status=status,
             cancelled=cancelled, ttft_ms=run.ttft_ms, duration_ms=(time.monotonic() - run.started) * 1000,
             streamed=run.call.stream, finish_reason=tr.finish_reason(),
             backend=access_log.safe_url(run.backend.url) if run.backend else None,
@@ -459,37 +434,7 @@ class Gateway:
         await self.ledger.record(event)
         return event, usage
 
-    @staticmethod
-    def _cost(run: _Run, usage: Usage) -> int:
-        return run.call.model.prices.cost_nano(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
-
-    def _trusted(self, run: _Run) -> Usage | None:
-        """The backend's usage, if it is within what this request could have used."""
-        usage, call = run.usage, run.call
-        if usage is None:
-            return None
-        if usage.prompt_tokens > call.model.context_window or \
-                usage.completion_tokens > call.max_output_tokens * call.outputs:
-            log.warning("usage from %s for %s is out of bounds (%d prompt, %d completion tokens): estimated",
-                        run.backend.url if run.backend else "?", run.generation_id,
-                        usage.prompt_tokens, usage.completion_tokens)
-            return None
-        return usage
-
-    async def _estimate(self, run: _Run) -> Usage:
-        """Usage the backend never reported (client left, stream cut): the prompt from the
-        backend's tokenizer, the output from the pieces delivered. Marked inexact."""
-        call, asked = run.call, run.call.prompt()
-        prompt = None
-        if run.backend is not None:
-            prompt = await backends.count(self.upstream, [run.backend], asked)
-        if prompt is None:
-            prompt = backends.estimate(asked)
-            log.warning("usage for %s estimated without the backend's tokenizer", run.generation_id)
-        completion = min(run.delivered, call.max_output_tokens * call.outputs)
-        return Usage(min(prompt, call.model.context_window), 0, completion, 0, exact=False)
-
-    async def _release(self, run: _Run, cost_nano: int = 0, tokens: int = 0) -> None:
+    async def _release(self, run: Admitted, cost_nano: int = 0, tokens: int = 0) -> None:
         """Charge the cost and release the request's admission (reservation and slot) and its
         backend lease (with what the request says of the backend's health); idempotent."""
         if run.lease is not None:
@@ -499,13 +444,13 @@ class Gateway:
             key = run.key
             await self.admission.settle(run.ticket, key, self.accounts.org(key.org_id), cost_nano, tokens)
 
-    async def _cut(self, run: _Run) -> None:
+    async def _cut(self, run: Admitted) -> None:
         """A stream whose client left: bill what was generated."""
         run.outcome = Outcome.CANCELLED
         await self._meter(run, status="cancelled", cancelled=True)
         self._observe(run, 499, "cancelled")
 
-    def _observe(self, run: _Run, status: int, error: str = "none") -> None:
+    def _observe(self, run: Admitted, status: int, error: str = "none") -> None:
         """Metrics, the access-log line and the trace's end, once the answer has gone out: the
         loop's next turn, so none of it sits between the backend's answer and the client's."""
         running_loop().call_soon(partial(
