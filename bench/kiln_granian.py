@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kiln import config
+from kiln import config, wiring
 from kiln.app import create_app
 from kiln.server import collect_garbage_less_often
 
@@ -21,7 +21,7 @@ from kiln.server import collect_garbage_less_often
 def app() -> Any:
     """The gateway's ASGI app (a factory: Granian calls it in its worker process)."""
     settings = config.load(os.environ["KILN_CONFIG"])
-    app = create_app(settings, catalog=config.build_catalog(settings))
+    app = create_app(settings, catalog=wiring.build_catalog(settings))
     collect_garbage_less_often()  # as `kiln serve` does once it has started
     return app
 

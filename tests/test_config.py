@@ -352,7 +352,7 @@ def test_routing_mistakes_are_reported_with_their_place(tmp_path: Path) -> None:
 
 
 def test_backend_kind_is_checked_and_kept(tmp_path: Path) -> None:
-    from kiln import config
+    from kiln import config, wiring
 
     model = """
         [[models]]
@@ -367,5 +367,5 @@ def test_backend_kind_is_checked_and_kept(tmp_path: Path) -> None:
     line_with(out, "models[m1].backends[0].kind", "vllm, sglang, llamacpp, openai", "'tgi'")
     path = tmp_path / "ok.toml"
     path.write_text(model % "llamacpp")
-    [backend] = config.build_catalog(config.load(path, env={}), env={}).models[0].backends
+    [backend] = wiring.build_catalog(config.load(path, env={}), env={}).models[0].backends
     assert backend.kind == "llamacpp"

@@ -22,7 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from kiln import access_log, admin, console, metrics, tracing, usage
 from kiln.catalog import Catalog, Model
-from kiln.config import Settings, build_catalog
+from kiln.config import Settings
 from kiln.core import errors
 from kiln.core.admission import AdmissionControl
 from kiln.core.clock import CLOCK, Clock
@@ -42,7 +42,7 @@ from kiln.protocols.reasoning import ReasoningSeal, reasoning_key
 from kiln.router import Router
 from kiln.store.base import Store
 from kiln.upstream import Limits, Upstream
-from kiln.wiring import close_parts, degraded, open_parts, start_propagation
+from kiln.wiring import build_catalog, close_parts, degraded, open_parts, start_propagation
 
 log = logging.getLogger("kiln")
 DRAIN_S = 15.0  # shutdown: the longest the metering of cut streams may take (tokenizer call included)

@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kiln import config, tables
+from kiln import config, tables, wiring
 from kiln.config import ConfigError, Settings
 from kiln.workers import reuse_port_socket, supervise, worker_index
 
@@ -92,7 +92,7 @@ def serve_command(args: argparse.Namespace) -> None:
                 *(["--host", args.host] if args.host else []), *(["--data-dir", args.data_dir] if args.data_dir else [])]
         raise SystemExit(supervise(settings.workers, settings.host, settings.port, argv))
     sim_url = start_demo_simulator() if settings.demo else None
-    catalog = config.build_catalog(settings, sim_url=sim_url)
+    catalog = wiring.build_catalog(settings, sim_url=sim_url)
 
     from kiln.app import create_app
     from kiln.server import serve

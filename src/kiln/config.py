@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kiln.catalog import BACKEND_KINDS, DEFAULT_MAX_IN_FLIGHT, TOOL_CHOICE_MODES, Backend, Capabilities, Catalog, Model, Timeouts
-from kiln.core.money import Prices
+from kiln.catalog import BACKEND_KINDS, DEFAULT_MAX_IN_FLIGHT, TOOL_CHOICE_MODES, Timeouts
 
 DEFAULT_PORT = 8080
 DEMO_MODEL = "demo-model"
@@ -165,10 +164,10 @@ _SERVER_FIELDS: dict[str, type | tuple[type, ...]] = {
 _POSITIVE_SERVER_FIELDS = ("ledger_linger_s", "shutdown_grace_s", "header_timeout_s", "body_timeout_s",
                            "max_header_bytes", "max_headers", "max_connections")
 # [routing] and per-backend fields: name -> what a valid value is
-_TIMEOUT_FIELDS = {"connect_timeout_s": "connect_s", "headers_timeout_s": "headers_s", "idle_timeout_s": "idle_s"}
+TIMEOUT_FIELDS = {"connect_timeout_s": "connect_s", "headers_timeout_s": "headers_s", "idle_timeout_s": "idle_s"}
 _ROUTING_FIELDS = {"affinity": "bool", "affinity_balance": "ratio", "retries": "count", "queue_timeout_s": "ratio",
                    "eject_after": "positive", "ejection_s": "seconds", "max_ejection_s": "seconds",
-                   "max_in_flight": "positive", **{name: "seconds" for name in _TIMEOUT_FIELDS}}
+                   "max_in_flight": "positive", **{name: "seconds" for name in TIMEOUT_FIELDS}}
 _LIMIT_FIELDS: dict[str, type | tuple[type, ...]] = {"rpm": int, "tpm": int, "concurrency": int,
                                                       "count_tokens_rpm": int}
 LOG_FORMATS = ("auto", "json", "text")
@@ -177,37 +176,19 @@ _MODEL_FIELDS = {
     "id", "aliases", "backends", "context_window", "max_output_tokens", "prices",
     "capabilities", "family", "owned_by", "simulated",
 }
-_BACKEND_FIELDS = {"url", "model", "api_key_env", "weight", "max_in_flight", "kind", *_TIMEOUT_FIELDS}
-_PRICE_FIELDS = ("input", "cached_input", "output")
+_BACKEND_FIELDS = {"url", "model", "api_key_env", "weight", "max_in_flight", "kind", *TIMEOUT_FIELDS}
+PRICE_FIELDS = ("input", "cached_input", "output")
 _CAP_FIELDS = {"image_input", "tool_choice", "parallel_tool_calls", "reasoning", "response_format"}
 
 
 def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings:
     """Read and validate the configuration; raises ConfigError listing every problem."""
     env = dict(os.environ if env is None else env)
-    raw: dict[str, Any] = {}
-    if path is not None:
-        try:
-            raw = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError([f"{path}: file not found"]) from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
+    raw = _read(path)
     problems: list[str] = []
     _unknown(raw, {"server", "limits", "routing", "log", "metrics", "tracing", "models"}, "", problems)
     settings = Settings()
-    server = _table(raw, "server", problems)
-    _unknown(server, set(_SERVER_FIELDS), "server.", problems)
-    for name, kind in _SERVER_FIELDS.items():
-        if name in server:
-            value = server[name]
-            if not isinstance(value, kind) or isinstance(value, bool):
-                problems.append(f"server.{name}: expected {_kind(kind)}, got {value!r}")
-            else:
-                setattr(settings, name, Path(value) if name == "data_dir" else value)
-    for name in _POSITIVE_SERVER_FIELDS:
-        if getattr(settings, name) <= 0:
-            problems.append(f"server.{name}: expected a positive number, got {getattr(settings, name)!r}")
+    _check_server(_table(raw, "server", problems), settings, problems)
     limits = _table(raw, "limits", problems)
     _unknown(limits, set(_LIMIT_FIELDS), "limits.", problems)
     for name in _LIMIT_FIELDS:
@@ -220,9 +201,44 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
     _check_metrics(_table(raw, "metrics", problems), settings.metrics, problems)
     _check_tracing(_table(raw, "tracing", problems), settings.tracing, problems)
     settings.routing = _routing(_table(raw, "routing", problems), problems)
+    _apply_env(env, settings, problems)
+    models = _check_models(raw, env, problems)
+    if problems:
+        raise ConfigError(problems)
+    settings.models = models
+    settings.demo = not models
+    return settings
+
+
+def _read(path: str | Path | None) -> dict[str, Any]:
+    if path is None:
+        return {}
+    try:
+        return tomllib.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError([f"{path}: file not found"]) from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError([f"{path}: not valid TOML: {exc}"]) from None
+
+
+def _check_server(server: dict[str, Any], settings: Settings, problems: list[str]) -> None:
+    _unknown(server, set(_SERVER_FIELDS), "server.", problems)
+    for name, kind in _SERVER_FIELDS.items():
+        if name in server:
+            value = server[name]
+            if not isinstance(value, kind) or isinstance(value, bool):
+                problems.append(f"server.{name}: expected {_kind(kind)}, got {value!r}")
+            else:
+                setattr(settings, name, Path(value) if name == "data_dir" else value)
+    for name in _POSITIVE_SERVER_FIELDS:
+        if getattr(settings, name) <= 0:
+            problems.append(f"server.{name}: expected a positive number, got {getattr(settings, name)!r}")
     if settings.sqlite_synchronous.upper() not in ("NORMAL", "FULL"):
         problems.append("server.sqlite_synchronous: expected 'normal' or 'full'")
-    # Environment overrides (for containers and tests) and secrets.
+
+
+def _apply_env(env: dict[str, str], settings: Settings, problems: list[str]) -> None:
+    """Environment overrides (for containers and tests) and secrets; the URLs they may set, checked."""
     for var, name, conv in (
         ("KILN_HOST", "host", str), ("KILN_PORT", "port", int), ("KILN_DATA_DIR", "data_dir", Path),
         ("KILN_DATABASE", "database", str), ("KILN_REDIS_URL", "redis_url", str),
@@ -240,10 +256,14 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
     settings.admin_key = env.get("KILN_ADMIN_KEY") or None
     settings.reasoning_secret = env.get("KILN_REASONING_SECRET") or None
     settings.test_clock = env.get("KILN_TEST_CLOCK") == "1"
+
+
+def _check_models(raw: dict[str, Any], env: dict[str, str], problems: list[str]) -> list[Any]:
+    """The [[models]] tables, each checked, and no name (id or alias) used twice."""
     models = raw.get("models", [])
     if not isinstance(models, list):
         problems.append("models: expected an array of tables ([[models]])")
-        models = []
+        return []
     names: dict[str, str] = {}
     for i, model in enumerate(models):
         _check_model(model, f"models[{i}]", env, problems)
@@ -255,11 +275,7 @@ def load(path: str | Path | None, env: dict[str, str] | None = None) -> Settings
                     if name in names:
                         problems.append(f"{where}: the name {name!r} is already used by {names[name]}")
                     names.setdefault(name, where)
-    if problems:
-        raise ConfigError(problems)
-    settings.models = models
-    settings.demo = not models
-    return settings
+    return models
 
 
 def _check_log(table: dict[str, Any], log: LogSettings, problems: list[str]) -> None:
@@ -315,23 +331,14 @@ def _check_tracing(table: dict[str, Any], tracing: TracingSettings, problems: li
             tracing.sample_ratio = float(ratio)
 
 
-def build_catalog(settings: Settings, env: dict[str, str] | None = None, sim_url: str | None = None) -> Catalog:
-    """The catalog from validated settings; in demo mode, the simulated demo model."""
-    env = dict(os.environ if env is None else env)
-    if settings.demo:
-        assert sim_url is not None, "demo mode needs the simulator's URL"
-        return Catalog([demo_model(sim_url)])
-    return Catalog([_model(m, env, settings.routing) for m in settings.models])
-
-
 def _routing(table: dict[str, Any], problems: list[str]) -> Routing:
     _unknown(table, set(_ROUTING_FIELDS), "routing.", problems)
     routing = Routing()
     timeouts: dict[str, float] = {}
     for name, rule in _ROUTING_FIELDS.items():
         if name in table and _valid(table[name], rule, f"routing.{name}", problems):
-            if name in _TIMEOUT_FIELDS:
-                timeouts[_TIMEOUT_FIELDS[name]] = float(table[name])
+            if name in TIMEOUT_FIELDS:
+                timeouts[TIMEOUT_FIELDS[name]] = float(table[name])
             else:
                 setattr(routing, name, table[name])
     if routing.max_ejection_s < routing.ejection_s:
@@ -358,55 +365,6 @@ def _valid(value: Any, rule: str, where: str, problems: list[str]) -> bool:
     return ok
 
 
-def demo_model(sim_url: str) -> Model:
-    return Model(
-        id=DEMO_MODEL,
-        backends=[Backend(url=sim_url.rstrip("/"), model=DEMO_MODEL)],
-        prices=Prices(Decimal("0.10"), Decimal("0.05"), Decimal("0.40")),
-        context_window=32768,
-        max_output_tokens=8192,
-        capabilities=Capabilities(tool_choice=frozenset({"auto", "none"})),
-        family="simulated",
-        simulated=True,
-    )
-
-
-def _model(m: dict[str, Any], env: dict[str, str], routing: Routing) -> Model:
-    caps = m.get("capabilities", {})
-    prices = m["prices"]
-    return Model(
-        id=m["id"],
-        aliases=tuple(m.get("aliases", ())),
-        backends=[_backend(b, m["id"], env, routing) for b in m["backends"]],
-        prices=Prices(*(Decimal(str(prices.get(n, prices["input"]))) for n in _PRICE_FIELDS)),
-        context_window=m["context_window"],
-        max_output_tokens=m.get("max_output_tokens", m["context_window"]),
-        capabilities=Capabilities(
-            image_input=caps.get("image_input", False),
-            tool_choice=frozenset(caps.get("tool_choice", ("auto", "none"))),
-            parallel_tool_calls=caps.get("parallel_tool_calls", False),
-            reasoning=caps.get("reasoning", False),
-            response_format=caps.get("response_format", False),
-        ),
-        family=m.get("family", ""),
-        owned_by=m.get("owned_by", "kiln"),
-        simulated=m.get("simulated", False),
-    )
-
-
-def _backend(b: dict[str, Any], model_id: str, env: dict[str, str], routing: Routing) -> Backend:
-    t = routing.timeouts
-    return Backend(
-        url=b["url"].rstrip("/"),
-        model=b.get("model", model_id),
-        api_key=env.get(b["api_key_env"]) if b.get("api_key_env") else None,
-        weight=b.get("weight", 1),
-        max_in_flight=b.get("max_in_flight", routing.max_in_flight),
-        timeouts=Timeouts(**{attr: float(b.get(name, getattr(t, attr))) for name, attr in _TIMEOUT_FIELDS.items()}),
-        kind=b.get("kind", ""),
-    )
-
-
 def _check_model(m: Any, where: str, env: dict[str, str], problems: list[str]) -> None:
     if not isinstance(m, dict):
         problems.append(f"{where}: expected a table")
@@ -423,54 +381,63 @@ def _check_model(m: Any, where: str, env: dict[str, str], problems: list[str]) -
         problems.append(f"{where}.context_window: required, a positive integer")
     if "max_output_tokens" in m and not _positive_int(m["max_output_tokens"]):
         problems.append(f"{where}.max_output_tokens: expected a positive integer")
-    prices = m.get("prices")
-    if not isinstance(prices, dict):
-        problems.append(f"{where}.prices: required table with input, cached_input and output (USD per 1M tokens)")
-    else:
-        _unknown(prices, set(_PRICE_FIELDS), f"{where}.prices.", problems)
-        for name in ("input", "output"):
-            if name not in prices:
-                problems.append(f"{where}.prices.{name}: missing price (USD per 1M tokens)")
-        for name in _PRICE_FIELDS:
-            if name in prices and not _price_ok(prices[name]):
-                problems.append(f"{where}.prices.{name}: expected a non-negative decimal, got {prices[name]!r}")
-    caps = m.get("capabilities", {})
-    if not isinstance(caps, dict):
-        problems.append(f"{where}.capabilities: expected a table")
-    else:
-        _unknown(caps, _CAP_FIELDS, f"{where}.capabilities.", problems)
-        modes = caps.get("tool_choice", ["auto", "none"])
-        if not isinstance(modes, list) or any(x not in TOOL_CHOICE_MODES for x in modes):
-            problems.append(f"{where}.capabilities.tool_choice: a list of {', '.join(TOOL_CHOICE_MODES)}")
-        for name in _CAP_FIELDS - {"tool_choice"}:
-            if name in caps and not isinstance(caps[name], bool):
-                problems.append(f"{where}.capabilities.{name}: expected true or false")
+    _check_prices(m.get("prices"), where, problems)
+    _check_capabilities(m.get("capabilities", {}), where, problems)
     backends = m.get("backends")
     if not isinstance(backends, list) or not backends:
         problems.append(f"{where}.backends: at least one backend ([[models.backends]] with url)")
         return
     for j, b in enumerate(backends):
-        bw = f"{where}.backends[{j}]"
-        if not isinstance(b, dict):
-            problems.append(f"{bw}: expected a table")
-            continue
-        _unknown(b, _BACKEND_FIELDS, f"{bw}.", problems)
-        url = b.get("url")
-        parsed = urlparse(url) if isinstance(url, str) else None
-        if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
-            problems.append(f"{bw}.url: expected an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}")
-        if "model" in b and not isinstance(b["model"], str):
-            problems.append(f"{bw}.model: expected the upstream model name")
-        if "kind" in b and b["kind"] not in BACKEND_KINDS:
-            problems.append(f"{bw}.kind: expected one of {', '.join(BACKEND_KINDS)} (or leave it out: detected), "
-                            f"got {b['kind']!r}")
-        for name, rule in (("weight", "positive"), ("max_in_flight", "positive"),
-                           *((name, "seconds") for name in _TIMEOUT_FIELDS)):
-            if name in b:
-                _valid(b[name], rule, f"{bw}.{name}", problems)
-        var = b.get("api_key_env")
-        if var is not None and (not isinstance(var, str) or var not in env):
-            problems.append(f"{bw}.api_key_env: environment variable {var!r} is not set")
+        _check_backend(b, f"{where}.backends[{j}]", env, problems)
+
+
+def _check_prices(prices: Any, where: str, problems: list[str]) -> None:
+    if not isinstance(prices, dict):
+        problems.append(f"{where}.prices: required table with input, cached_input and output (USD per 1M tokens)")
+        return
+    _unknown(prices, set(PRICE_FIELDS), f"{where}.prices.", problems)
+    for name in ("input", "output"):
+        if name not in prices:
+            problems.append(f"{where}.prices.{name}: missing price (USD per 1M tokens)")
+    for name in PRICE_FIELDS:
+        if name in prices and not _price_ok(prices[name]):
+            problems.append(f"{where}.prices.{name}: expected a non-negative decimal, got {prices[name]!r}")
+
+
+def _check_capabilities(caps: Any, where: str, problems: list[str]) -> None:
+    if not isinstance(caps, dict):
+        problems.append(f"{where}.capabilities: expected a table")
+        return
+    _unknown(caps, _CAP_FIELDS, f"{where}.capabilities.", problems)
+    modes = caps.get("tool_choice", ["auto", "none"])
+    if not isinstance(modes, list) or any(x not in TOOL_CHOICE_MODES for x in modes):
+        problems.append(f"{where}.capabilities.tool_choice: a list of {', '.join(TOOL_CHOICE_MODES)}")
+    for name in _CAP_FIELDS - {"tool_choice"}:
+        if name in caps and not isinstance(caps[name], bool):
+            problems.append(f"{where}.capabilities.{name}: expected true or false")
+
+
+def _check_backend(b: Any, bw: str, env: dict[str, str], problems: list[str]) -> None:
+    if not isinstance(b, dict):
+        problems.append(f"{bw}: expected a table")
+        return
+    _unknown(b, _BACKEND_FIELDS, f"{bw}.", problems)
+    url = b.get("url")
+    parsed = urlparse(url) if isinstance(url, str) else None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.netloc:
+        problems.append(f"{bw}.url: expected an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}")
+    if "model" in b and not isinstance(b["model"], str):
+        problems.append(f"{bw}.model: expected the upstream model name")
+    if "kind" in b and b["kind"] not in BACKEND_KINDS:
+        problems.append(f"{bw}.kind: expected one of {', '.join(BACKEND_KINDS)} (or leave it out: detected), "
+                        f"got {b['kind']!r}")
+    for name, rule in (("weight", "positive"), ("max_in_flight", "positive"),
+                       *((name, "seconds") for name in TIMEOUT_FIELDS)):
+        if name in b:
+            _valid(b[name], rule, f"{bw}.{name}", problems)
+    var = b.get("api_key_env")
+    if var is not None and (not isinstance(var, str) or var not in env):
+        problems.append(f"{bw}.api_key_env: environment variable {var!r} is not set")
 
 
 def _unknown(table: dict[str, Any], allowed: set[str], prefix: str, problems: list[str]) -> None:

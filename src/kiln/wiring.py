@@ -1,4 +1,5 @@
-"""Build the gateway's stateful parts from the settings, and close them in order.
+"""Build the gateway's parts from the settings (the catalog of models and backends, the
+stores and admission), and close them in order.
 
 One gateway process (the embedded default): SQLite, in-process admission, no
 spool. Several processes or replicas: PostgreSQL (the truth: keys, balances,
@@ -10,10 +11,13 @@ every process takes a change within a second.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any, Callable
 
-from kiln.config import Settings
+from kiln.catalog import Backend, Capabilities, Catalog, Model, Timeouts
+from kiln.config import DEMO_MODEL, PRICE_FIELDS, TIMEOUT_FIELDS, Routing, Settings
 from kiln.core.accounts import ADMIN_HASH_META, Accounts
 from kiln.core.admission import AdmissionControl, MemoryAdmission
 from kiln.core.clock import CLOCK, Clock
@@ -21,6 +25,7 @@ from kiln.core.journal import Journal
 from kiln.core.keys import hash_key
 from kiln.core.ledger import Ledger
 from kiln.core.maintenance import Maintenance, load as load_maintenance
+from kiln.core.money import Prices
 from kiln.core.propagation import Propagation
 from kiln.core.spool import Spool
 from kiln.store import make_store
@@ -112,3 +117,61 @@ def degraded(gateway: Any) -> list[str]:
     if getattr(gateway.admission, "reachable", True) is False:
         problems.append("shared admission (Redis) unreachable")
     return problems
+
+
+def build_catalog(settings: Settings, env: dict[str, str] | None = None, sim_url: str | None = None) -> Catalog:
+    """The catalog from validated settings; in demo mode, the simulated demo model."""
+    env = dict(os.environ if env is None else env)
+    if settings.demo:
+        assert sim_url is not None, "demo mode needs the simulator's URL"
+        return Catalog([demo_model(sim_url)])
+    return Catalog([_model(m, env, settings.routing) for m in settings.models])
+
+
+def demo_model(sim_url: str) -> Model:
+    return Model(
+        id=DEMO_MODEL,
+        backends=[Backend(url=sim_url.rstrip("/"), model=DEMO_MODEL)],
+        prices=Prices(Decimal("0.10"), Decimal("0.05"), Decimal("0.40")),
+        context_window=32768,
+        max_output_tokens=8192,
+        capabilities=Capabilities(tool_choice=frozenset({"auto", "none"})),
+        family="simulated",
+        simulated=True,
+    )
+
+
+def _model(m: dict[str, Any], env: dict[str, str], routing: Routing) -> Model:
+    caps = m.get("capabilities", {})
+    prices = m["prices"]
+    return Model(
+        id=m["id"],
+        aliases=tuple(m.get("aliases", ())),
+        backends=[_backend(b, m["id"], env, routing) for b in m["backends"]],
+        prices=Prices(*(Decimal(str(prices.get(n, prices["input"]))) for n in PRICE_FIELDS)),
+        context_window=m["context_window"],
+        max_output_tokens=m.get("max_output_tokens", m["context_window"]),
+        capabilities=Capabilities(
+            image_input=caps.get("image_input", False),
+            tool_choice=frozenset(caps.get("tool_choice", ("auto", "none"))),
+            parallel_tool_calls=caps.get("parallel_tool_calls", False),
+            reasoning=caps.get("reasoning", False),
+            response_format=caps.get("response_format", False),
+        ),
+        family=m.get("family", ""),
+        owned_by=m.get("owned_by", "kiln"),
+        simulated=m.get("simulated", False),
+    )
+
+
+def _backend(b: dict[str, Any], model_id: str, env: dict[str, str], routing: Routing) -> Backend:
+    t = routing.timeouts
+    return Backend(
+        url=b["url"].rstrip("/"),
+        model=b.get("model", model_id),
+        api_key=env.get(b["api_key_env"]) if b.get("api_key_env") else None,
+        weight=b.get("weight", 1),
+        max_in_flight=b.get("max_in_flight", routing.max_in_flight),
+        timeouts=Timeouts(**{attr: float(b.get(name, getattr(t, attr))) for name, attr in TIMEOUT_FIELDS.items()}),
+        kind=b.get("kind", ""),
+    )
