@@ -199,7 +199,18 @@ def _admin_parser(sub: Any) -> None:
     admin.add_argument("--admin-key", default=os.environ.get("KILN_ADMIN_KEY"))
     admin.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
     what = admin.add_subparsers(dest="what", required=True)
+    groups = (_orgs_parser(what), _projects_parser(what), _keys_parser(what), _usage_parser(what),
+              _maintenance_parser(what))
+    for group in groups:  # `--json` after the verb too
+        for verb_parser in group.choices.values():
+            verb_parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
+                                     help="print the API's JSON instead of a table")
+    backends = what.add_parser("backends", help="each backend's state, requests in flight, latency, last error")
+    backends.add_argument("--json", action="store_true", help="the raw /admin/v1/backends answer")
 
+
+def _orgs_parser(what: Any) -> Any:
+    """`kiln admin orgs ...`"""
     orgs = what.add_parser("orgs").add_subparsers(dest="verb", required=True)
     orgs.add_parser("list")
     c = orgs.add_parser("create")
@@ -219,14 +230,22 @@ def _admin_parser(sub: Any) -> None:
     b.add_argument("--monthly-budget")
     for limit in ("--rpm-limit", "--tpm-limit", "--concurrency-limit"):
         b.add_argument(limit, type=int)
+    return orgs
 
+
+def _projects_parser(what: Any) -> Any:
+    """`kiln admin projects ...`"""
     projects = what.add_parser("projects").add_subparsers(dest="verb", required=True)
     pl = projects.add_parser("list")
     pl.add_argument("--org-id")
     pc = projects.add_parser("create")
     pc.add_argument("org_id")
     pc.add_argument("name")
+    return projects
 
+
+def _keys_parser(what: Any) -> Any:
+    """`kiln admin keys ...`"""
     keys = what.add_parser("keys").add_subparsers(dest="verb", required=True)
     kl = keys.add_parser("list")
     kl.add_argument("--project-id")
@@ -243,7 +262,11 @@ def _admin_parser(sub: Any) -> None:
     ks.add_argument("--spend-limit")
     ks.add_argument("--expires-at")
     _key_limit_args(ks)
+    return keys
 
+
+def _usage_parser(what: Any) -> Any:
+    """`kiln admin usage ...`"""
     usage = what.add_parser("usage").add_subparsers(dest="verb", required=True)
     ul = usage.add_parser("list")
     ul.add_argument("--org-id")
@@ -256,20 +279,18 @@ def _admin_parser(sub: Any) -> None:
     us.add_argument("--since", help="Unix time or ISO 8601 (UTC unless an offset is given)")
     us.add_argument("--until", help="Unix time or ISO 8601, exclusive")
     us.add_argument("--csv", action="store_true", help="print CSV (for a spreadsheet)")
+    return usage
 
+
+def _maintenance_parser(what: Any) -> Any:
+    """`kiln admin maintenance ...`"""
     maint = what.add_parser("maintenance").add_subparsers(dest="verb", required=True)
     maint.add_parser("show")
     mon = maint.add_parser("on")
     mon.add_argument("until", help="end of maintenance: Unix time or ISO 8601")
     mon.add_argument("--message")
     maint.add_parser("off")
-    for group in (orgs, projects, keys, usage, maint):  # `--json` after the verb too
-        for verb_parser in group.choices.values():
-            verb_parser.add_argument("--json", action="store_true", default=argparse.SUPPRESS,
-                                     help="print the API's JSON instead of a table")
-
-    backends = what.add_parser("backends", help="each backend's state, requests in flight, latency, last error")
-    backends.add_argument("--json", action="store_true", help="the raw /admin/v1/backends answer")
+    return maint
 
 
 def _key_limit_args(parser: argparse.ArgumentParser) -> None:
