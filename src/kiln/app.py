@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 from starlette.types import Receive, Scope, Send
 
 from kiln import access_log, admin, console, metrics, tracing, usage
@@ -260,7 +260,14 @@ def create_app(
             tracing.shutdown()
             access_log.flush()
 
-    routes = [
+    inner = Starlette(routes=_routes(settings), lifespan=lifespan,
+                      exception_handlers={HTTPException: _http_error, Exception: _server_error})
+    return KilnApp(inner)
+
+
+def _routes(settings: Settings) -> list[BaseRoute]:
+    """Everything but the metered POSTs (KilnApp answers those before Starlette's router)."""
+    return [
         Route("/v1/models", list_models, methods=["GET"]),
         Route("/v1/key", key_info, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
@@ -270,9 +277,3 @@ def create_app(
         *console.routes,
         *(admin.test_routes if settings.test_clock else []),
     ]
-    inner = Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        exception_handlers={HTTPException: _http_error, Exception: _server_error},
-    )
-    return KilnApp(inner)
