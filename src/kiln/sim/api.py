@@ -36,7 +36,7 @@ latest turn contains a rule's `when` text: that is how tests drive clients that 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -97,19 +97,30 @@ def _scripted(messages: Any, rules: list[dict[str, Any]]) -> dict[str, Any]:
     return next((dict(r["sim"]) for r in rules if r["when"] in text), {})
 
 
-async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.StreamResponse:
-    """POST /v1/chat/completions."""
+async def _intake(srv: SimServer, request: web.Request, ctx: Ctx, check: Callable[[dict[str, Any]], Invalid | None],
+                  *, scripted: bool) -> tuple[dict[str, Any], dict[str, Any]] | web.StreamResponse:
+    """The body and its `sim` object (`scripted`: or the one a rule gives its latest turn), or
+    what the request gets instead: a fault asked for up front, or vLLM's 400 for a bad body."""
     body = await srv.read_body(request)
     if isinstance(body, web.Response):
         return body
-    sim = _sim_of(body) or _scripted(body.get("messages"), srv.settings.rules)
+    sim = _sim_of(body) or (_scripted(body.get("messages"), srv.settings.rules) if scripted else {})
     if sim:
         early = await srv.pre_faults(request, sim, ctx)
         if early is not None:
             return srv.extra_headers(early, sim)
-    bad = checks.check_chat(body)
+    bad = check(body)
     if bad is not None:
         return srv.invalid(bad)
+    return body, sim
+
+
+async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    taken = await _intake(srv, request, ctx, checks.check_chat, scripted=True)
+    if not isinstance(taken, tuple):
+        return taken
+    body, sim = taken
     model = srv.check_model(body)
     if isinstance(model, web.Response):
         return model
@@ -121,8 +132,7 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> we
         return srv.invalid(Invalid(str(exc)))
     ids = tokenizer.encode(prompt)
     requested = body.get("max_completion_tokens")
-    if requested is None:
-        requested = body.get("max_tokens")
+    requested = body.get("max_tokens") if requested is None else requested
     max_tokens = checks.fit_max_tokens(len(ids), requested, None, s.max_model_len, s.legacy_length_check)
     if isinstance(max_tokens, Invalid):
         return srv.invalid(max_tokens)
@@ -169,20 +179,15 @@ async def chat_completions(srv: SimServer, request: web.Request, ctx: Ctx) -> we
 
 async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.StreamResponse:
     """POST /v1/completions: one choice per prompt (string, strings, ids, id lists)."""
-    body = await srv.read_body(request)
-    if isinstance(body, web.Response):
-        return body
-    sim = _sim_of(body)
-    if sim:
-        early = await srv.pre_faults(request, sim, ctx)
-        if early is not None:
-            return srv.extra_headers(early, sim)
-    bad = checks.check_completion(body)
-    if bad is not None:
-        return srv.invalid(bad)
+    taken = await _intake(srv, request, ctx, checks.check_completion, scripted=False)
+    if not isinstance(taken, tuple):
+        return taken
+    body, sim = taken
     prompts = checks.prompts_of(body["prompt"])
     if prompts is None:
-        return srv.invalid(checks.schema_error("union_tag_invalid", "prompt", "Input should be a string, a list of strings, or token ids", body["prompt"]))
+        return srv.invalid(checks.schema_error("union_tag_invalid", "prompt",
+                                               "Input should be a string, a list of strings, or token ids",
+                                               body["prompt"]))
     model = srv.check_model(body)
     if isinstance(model, web.Response):
         return model
@@ -190,7 +195,6 @@ async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.Str
     echo = body.get("echo") is True
     top = body.get("logprobs")
     stops = [] if s.ignore_stop else generate.normalize_stop(body.get("stop"))
-    include_stop = body.get("include_stop_str_in_output") is True
     rid, created = new_id("cmpl-"), int(time.time())
     streaming = body.get("stream") is True
     prefix = wire.completion_prefix(rid, created, model)
@@ -203,40 +207,20 @@ async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.Str
             text, ids = prompt, tokenizer.encode(prompt)
         else:
             text, ids = tokenizer.decode(prompt), prompt
-        max_tokens = checks.fit_max_tokens(len(ids), body.get("max_tokens"), 16, s.max_model_len, s.legacy_length_check)
-        if isinstance(max_tokens, Invalid):
-            return srv.invalid(max_tokens)
+        plan = _completion_plan(s, sim, body, text, ids, stops)
+        if isinstance(plan, Invalid):
+            return srv.invalid(plan)
         n_cached += srv.cached_tokens(model, ids)
-        plan = generate.plan_completion(
-            seed=s.seed,
-            prompt=text or ",".join(map(str, ids)),
-            reply_tokens=s.reply_tokens,
-            max_tokens=max_tokens,
-            sim=sim,
-            stops=stops,
-            include_stop=include_stop,
-        )
-        n_prompt += len(ids)
-        n_completion += plan.completion_tokens
         head = text if echo else ""
-        if not streaming:
+        if streaming:
+            more, counts = _completion_events(prefix, index, head, plan, top, n_completion)
+            events += more
+            running += counts
+        else:
             lp = generate.completion_logprobs(plan.content, top, len(head)) if top is not None else None
             choices.append(wire.completion_choice(index, head + "".join(plan.content), lp, plan))
-            continue
-        before = n_completion - plan.completion_tokens
-        if head:
-            events.append(wire.completion_event(prefix, _chunk(index, head, None)))
-            running.append(before)
-        offset = len(head)
-        for k, piece in enumerate(plan.content, 1):
-            lp = generate.completion_logprobs([piece], top, offset) if top is not None else None
-            offset += len(piece)
-            events.append(wire.completion_event(prefix, _chunk(index, piece, lp)))
-            running.append(min(before + k, n_completion))
-        final = _chunk(index, "", None)
-        final["finish_reason"], final["stop_reason"] = plan.finish_reason, plan.stop_reason
-        events.append(wire.completion_event(prefix, final))
-        running.append(n_completion)
+        n_prompt += len(ids)
+        n_completion += plan.completion_tokens
     usage = wire.usage_obj(n_prompt, n_completion, None if s.no_prompt_tokens_details else n_cached)
     prefill = srv.prefill_s(n_prompt, n_cached)
     n_gen = len(events)
@@ -250,6 +234,47 @@ async def completions(srv: SimServer, request: web.Request, ctx: Ctx) -> web.Str
         events.append(wire.completion_usage_event(prefix, usage))
     events.append(wire.DONE)
     return await srv.stream(request, sim, ctx, events, 1, n_gen - 1, prefill)
+
+
+def _completion_plan(s: SimSettings, sim: dict[str, Any], body: dict[str, Any], text: str, ids: list[int],
+                     stops: list[str]) -> generate.Plan | Invalid:
+    """One prompt's completion, or why its max_tokens does not fit the context window."""
+    max_tokens = checks.fit_max_tokens(len(ids), body.get("max_tokens"), 16, s.max_model_len, s.legacy_length_check)
+    if isinstance(max_tokens, Invalid):
+        return max_tokens
+    return generate.plan_completion(
+        seed=s.seed,
+        prompt=text or ",".join(map(str, ids)),
+        reply_tokens=s.reply_tokens,
+        max_tokens=max_tokens,
+        sim=sim,
+        stops=stops,
+        include_stop=body.get("include_stop_str_in_output") is True,
+    )
+
+
+def _completion_events(prefix: bytes, index: int, head: str, plan: generate.Plan, top: Any,
+                       before: int) -> tuple[list[bytes], list[int]]:
+    """One prompt's stream events (the echoed prompt, a chunk per token, the finish) and the
+    completion tokens of all prompts so far at each (for continuous_usage_stats); `before`: the
+    earlier prompts' tokens."""
+    events: list[bytes] = []
+    running: list[int] = []
+    end = before + plan.completion_tokens
+    if head:
+        events.append(wire.completion_event(prefix, _chunk(index, head, None)))
+        running.append(before)
+    offset = len(head)
+    for k, piece in enumerate(plan.content, 1):
+        lp = generate.completion_logprobs([piece], top, offset) if top is not None else None
+        offset += len(piece)
+        events.append(wire.completion_event(prefix, _chunk(index, piece, lp)))
+        running.append(min(before + k, end))
+    final = _chunk(index, "", None)
+    final["finish_reason"], final["stop_reason"] = plan.finish_reason, plan.stop_reason
+    events.append(wire.completion_event(prefix, final))
+    running.append(end)
+    return events, running
 
 
 def _chunk(index: int, text: str, logprobs: Any) -> dict[str, Any]:
