@@ -1,6 +1,6 @@
 """How the gateway is served: uvicorn's Server (lifespan, signals, sockets) with Kiln's own
 HTTP/1.1 protocol (kiln.connection: the connection limits, leaner per request), a raised
-open-file limit, large buffers kept off the heap, a garbage collector that runs less often,
+open-file limit, a garbage collector that runs less often,
 and a shutdown that bills every stream it cuts.
 
 Slow bodies are bounded where the body is read (kiln.http.read_body, `body_timeout_s`).
@@ -9,12 +9,9 @@ Slow bodies are bounded where the body is read (kiln.http.read_body, `body_timeo
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import gc
 import logging
-import os
 import resource
-import sys
 from typing import Any
 
 import uvicorn
@@ -23,8 +20,6 @@ from kiln.connection import ConnectionLimits, protocol_for
 
 log = logging.getLogger("kiln.server")
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-LARGE_ALLOCATION = 32 * 1024  # bytes: from mmap, not the heap (keep_large_buffers_off_the_heap)
 FD_RESERVE = 64  # descriptors kept for the database, the log, the upstream pool's spares
 CUT_WAIT_S = 10.0  # after the grace: how long cut requests get to run their cleanup
 GC_YOUNG_THRESHOLD = 10_000  # tracked allocations, net of frees, between two young collections (CPython: 700)
@@ -41,26 +36,6 @@ def raise_open_file_limit() -> int:
         except (ValueError, OSError):
             log.warning("could not raise the open-file limit from %d to %d", soft, target)
     return soft
-
-
-def keep_large_buffers_off_the_heap(threshold: int = LARGE_ALLOCATION) -> bool:
-    """Serve allocations of `threshold` bytes and more from mmap, given back to the OS when
-    freed, not from glibc's heap; True if that is now in force.
-
-    An agent's request (Claude Code, Codex: 60 KB and more) passes through several buffers
-    of its size (the body, its encoding for the backend, the Responses head). On the heap,
-    each leaves a hole when freed that the small long-lived objects of open streams pin,
-    and glibc's own threshold rises to the largest block freed (up to 32 MiB), so it gets
-    worse as conversations grow: measured, 208 KiB of RSS per open Claude Code-sized stream,
-    137 KiB with this, and no CPU cost above the noise. glibc only (elsewhere a no-op); an
-    operator's MALLOC_MMAP_THRESHOLD_ is left in force."""
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
 
 
 def collect_garbage_less_often(young: int = GC_YOUNG_THRESHOLD) -> None:
@@ -129,8 +104,6 @@ def serve(app: Any, settings: Any, sockets: list[Any] | None = None) -> None:
     """Run `app` under uvicorn with the server settings (see the [server] table); on `sockets`
     if given (a worker of several, on a port they share)."""
     open_files = raise_open_file_limit()
-    if keep_large_buffers_off_the_heap():
-        log.info("allocations of %d KiB and more are served from mmap, not the heap", LARGE_ALLOCATION // 1024)
     limits = ConnectionLimits(
         max_header_bytes=settings.max_header_bytes,
         max_headers=settings.max_headers,
