@@ -21,7 +21,7 @@ from kiln.protocols.base import Translator, UpstreamCall
 from kiln.router import Lease
 from kiln.upstream import Upstream
 
-log = logging.getLogger("kiln.pipeline")
+log = logging.getLogger("kiln.pipeline")  # its warnings kept the logger they had in the pipeline
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Admitted:
     outcome: Outcome = Outcome.OK  # what the request says of the backend's health
 
 
-def cost_nano(run: Admitted, usage: Usage) -> int:
+def cost_of(run: Admitted, usage: Usage) -> int:
     """What `usage` costs at the request's model's prices, in nano-dollars."""
     return run.call.model.prices.cost_nano(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens)
 

@@ -31,7 +31,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from kiln import access_log, backends, client, metrics, observe, tracing
-from kiln.admitted import Admitted, cost_nano, estimated_usage, trusted_usage
+from kiln.admitted import Admitted, cost_of, estimated_usage, trusted_usage
 from kiln.assemble import assemble
 from kiln.affinity import affinity_key
 from kiln.catalog import Backend, Catalog
@@ -383,7 +383,7 @@ class Gateway:
         key = run.key
         if key.status != "active":
             raise errors.forbidden(f"{KEY_NOTE} (the key is {key.status})", code=f"key_{key.status}")
-        delivered = cost_nano(run, trusted_usage(run) or Usage(0, 0, run.delivered))
+        delivered = cost_of(run, trusted_usage(run) or Usage(0, 0, run.delivered))
         return await self.admission.extend(run.ticket, key, self.accounts.org(key.org_id),
                                            delivered_nano=delivered) > 0
 
@@ -422,7 +422,7 @@ class Gateway:
             id=run.generation_id, created_at=self.clock.time(), org_id=key.org_id, project_id=key.project_id,
             key_id=key.id, model=run.call.model.id, endpoint=tr.endpoint, prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_tokens, completion_tokens=usage.completion_tokens,
-            reasoning_tokens=usage.reasoning_tokens, cost_nano=cost_nano(run, usage), status=status,
+            reasoning_tokens=usage.reasoning_tokens, cost_nano=cost_of(run, usage), status=status,
             cancelled=cancelled, ttft_ms=run.ttft_ms, duration_ms=(time.monotonic() - run.started) * 1000,
             streamed=run.call.stream, finish_reason=tr.finish_reason(),
             backend=access_log.safe_url(run.backend.url) if run.backend else None,
