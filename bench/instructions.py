@@ -4,12 +4,14 @@ On a shared machine the CPU time of a request moves by a third from run to run; 
 instructions the gateway executes for it does not. This starts the simulator (natively) and the
 gateway under `valgrind --tool=callgrind` (about 50 times slower), warms up, zeroes the counters,
 sends --requests requests of one workload at --concurrency, dumps the counters and prints
-instructions per request: for Kiln and for the bare proxy, and their ratio. Use it to judge a
+instructions per request: for Kiln and for the bare proxy, and their ratio (for Responses and
+Messages the bare proxy is sent the chat call Kiln made, as in bench/run.py). Use it to judge a
 change to the hot path (before/after on the same workload); bench/run.py stays the measure of
 throughput and latency.
 
     .venv/bin/python bench/instructions.py --protocol chat --workload json
     .venv/bin/python bench/instructions.py --protocol messages --workload stream --targets kiln
+    .venv/bin/python bench/instructions.py --protocol messages --workload agent --requests 120 --warmup 30
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from pathlib import Path
 
 import aiohttp
 
-from servers import (ADMIN_KEY, PY, HERE, BenchError, Server, _answers, create_tenant, free_port, kiln_config,
-                     spawn, start_sim, wait_until)
-from workloads import PROTOCOLS, make
+from servers import (ADMIN_KEY, PY, HERE, BenchError, Server, _answers, create_tenant, first_upstream_body,
+                     forget_requests, free_port, kiln_config, set_sim_rules, spawn, start_sim, wait_until)
+from workloads import PROTOCOLS, Workload, agent, make
 
 VALGRIND = ["valgrind", "--tool=callgrind", "--collect-atstart=yes", "--dump-instr=no", "--combine-dumps=yes"]
 
@@ -37,7 +39,9 @@ VALGRIND = ["valgrind", "--tool=callgrind", "--collect-atstart=yes", "--dump-ins
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--protocol", choices=PROTOCOLS, default="chat")
-    p.add_argument("--workload", choices=("json", "stream"), default="json")
+    p.add_argument("--workload", choices=("json", "stream", "agent"), default="json",
+                   help="agent: the 60 KB Claude Code / Codex bodies (messages, responses). For Responses and "
+                        "Messages the bare proxy is sent the chat body Kiln made of the request")
     p.add_argument("--requests", type=int, default=400, help="counted requests per target (default 400)")
     p.add_argument("--warmup", type=int, default=100, help="requests before the counters are zeroed")
     p.add_argument("--concurrency", type=int, default=8)
@@ -78,9 +82,9 @@ async def drive(url: str, body: dict, headers: dict[str, str], n: int, concurren
         while left > 0:
             left -= 1
             async with session.post(url, json=body, headers=headers) as resp:
-                await resp.read()
+                answer = await resp.read()
                 if resp.status != 200:
-                    raise BenchError(f"HTTP {resp.status} from {url}")
+                    raise BenchError(f"HTTP {resp.status} from {url}: {answer[:500]!r}")
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
@@ -95,18 +99,22 @@ def total_ir(path: Path) -> int:
     return int(found[-1])
 
 
-def measure(stack: ExitStack, tmp: Path, target: str, sim: Server, a: argparse.Namespace) -> float:
+def measure(stack: ExitStack, tmp: Path, target: str, sim: Server, w: Workload, a: argparse.Namespace) -> float:
     server, out = start(stack, tmp, target, sim.url)
-    w = make(a.protocol, a.workload, a.workload == "stream")
     headers = {}
+    url, body = server.url + w.path, w.body
     if target == "kiln":
         _, key = create_tenant(server)
         headers = {"Authorization": f"Bearer {key}", "x-api-key": key}
-    url = server.url + w.path
-    asyncio.run(drive(url, w.body, headers, a.warmup, a.concurrency))
+        forget_requests(sim)
+    elif w.direct is not None:  # what Kiln sent upstream for it (a Responses or Messages request, as chat)
+        url, body = server.url + w.upstream_path, w.direct
+    asyncio.run(drive(url, body, headers, a.warmup, a.concurrency))
+    if target == "kiln" and w.upstream_path != w.path:  # Responses, Messages: the chat call Kiln made
+        w.direct = first_upstream_body(sim)
     pid = str(server.proc.pid)
     subprocess.run(["callgrind_control", "--zero", pid], check=True, capture_output=True)
-    asyncio.run(drive(url, w.body, headers, a.requests, a.concurrency))
+    asyncio.run(drive(url, body, headers, a.requests, a.concurrency))
     time.sleep(1.0)  # what the last requests left (ledger commit) settles
     for old in tmp.glob(f"{out.name}*"):
         old.unlink()
@@ -131,8 +139,11 @@ def main() -> int:
         else:
             stack.callback(shutil.rmtree, tmp, True)
         sim = start_sim(stack, tmp, None)
-        for target in targets:
-            results[target] = measure(stack, tmp, target, sim, a)
+        w = agent(a.protocol) if a.workload == "agent" else make(a.protocol, a.workload, a.workload == "stream")
+        if w.rules:
+            set_sim_rules(sim, w.rules)
+        for target in sorted(targets, key=lambda t: t != "kiln"):  # Kiln first: the chat body it makes
+            results[target] = measure(stack, tmp, target, sim, w, a)
             print(f"{a.protocol}/{a.workload} {target}: {results[target] / 1e6:.3f} M instructions per request",
                   flush=True)
     if "bare" in results and "kiln" in results:
