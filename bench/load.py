@@ -26,6 +26,10 @@ class Result:
     p50_ms: float
     p99_ms: float
     cpu_us: float = 0.0  # the server's CPU time (user + system) per completed request
+    # Kiln's cells with --repeat > 1: its rps and its CPU per request over the bare proxy's in the
+    # run just before it, one pair per round (measure.table)
+    paired_rps: list[float] = field(default_factory=list)
+    paired_cpu: list[float] = field(default_factory=list)
 
     @property
     def rps(self) -> float:

@@ -147,14 +147,19 @@ def table(b: Bench, workloads: list[Workload], levels: list[int], targets: list[
     """The side-by-side cells: every workload at every concurrency through every target.
 
     With `repeat` > 1 the targets take turns that many times and each keeps its best run
-    (highest rps): on a shared machine, the run least disturbed by other work.
+    (highest rps): on a shared machine, the run least disturbed by other work. Kiln runs right
+    after the bare proxy in each turn, and its ratios to that run are kept too (`paired_rps`,
+    `paired_cpu`): this virtual machine's speed drifts by up to half within minutes, so two best
+    runs may come from different spells while a pair shares one.
     """
     rows = []
     for w in workloads:
         loads = prepare(b, w, targets)
         for c in levels:
             cell: Cell = {}
+            pairs: list[tuple[float, float]] = []
             for _ in range(repeat):
+                last: dict[str, Result] = {}
                 for target in targets:
                     load = loads[target]
                     if isinstance(load, str):
@@ -166,8 +171,17 @@ def table(b: Bench, workloads: list[Workload], levels: list[int], targets: list[
                         cell[target] = f"{NAMES.get(target, target)}: {res.errors} failed requests at c={c}"
                     elif not res.requests:
                         cell[target] = f"no request completed within {b.duration:g} s (raise --duration)"
-                    elif not isinstance(best, Result) or res.rps > best.rps:
-                        cell[target] = res
+                    else:
+                        last[target] = res
+                        if not isinstance(best, Result) or res.rps > best.rps:
+                            cell[target] = res
+                bare, kiln = last.get("bare"), last.get("kiln")
+                if bare and kiln and kiln.cpu_us > 0:
+                    pairs.append((kiln.rps / bare.rps, bare.cpu_us / kiln.cpu_us))
+            kiln_best = cell.get("kiln")
+            if repeat > 1 and isinstance(kiln_best, Result):
+                kiln_best.paired_rps = [p[0] for p in pairs]
+                kiln_best.paired_cpu = [p[1] for p in pairs]
             rows.append((w, c, cell))
             line = ", ".join(f"{t} {r.rps:,.0f}" if isinstance(r, Result) else f"{t} n/a" for t, r in cell.items())
             print(f"  {w.key:22} c={c:<3} {line} rps", flush=True)

@@ -43,7 +43,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up before each cell (default 1)")
     p.add_argument("--quick", action="store_true", help="2 s cells, 1 s warm-up, a 20,000-request RSS run")
     p.add_argument("--repeat", type=int, default=1, help="table, workers, redis: runs per cell, the best kept "
-                   "(default 1; 3 on a busy machine)")
+                   "(default 1; 3 on a busy machine); table: from 3, Kiln/bare targets are judged on the "
+                   "median of each round's pair")
     p.add_argument("--concurrency", default="1,64", help="table: connection counts (default 1,64; add 8 if wanted)")
     p.add_argument("--protocols", default=",".join(PROTOCOLS), help="subset of " + ",".join(PROTOCOLS))
     p.add_argument("--modes", default=",".join(MODES), help="table rows: subset of " + ",".join(MODES))

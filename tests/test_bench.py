@@ -39,6 +39,13 @@ def test_table_through_kiln_and_the_bare_proxy() -> None:
     assert "usage ledger:" in out and "MISMATCH" not in out
 
 
+def test_repeated_cells_pair_kiln_with_the_bare_proxy() -> None:
+    out = bench("--sections", "table", "--protocols", "chat", "--modes", "stream", "--targets", "bare,kiln",
+                "--concurrency", "8", "--repeat", "3")
+    line = next(ln for ln in out.splitlines() if ln.startswith("| chat | stream | 8 | Kiln |"))
+    assert "(paired " in line
+
+
 def test_kiln_app_runs_unchanged_on_granian() -> None:
     pytest.importorskip("granian")
     out = bench("--sections", "table", "--protocols", "chat,responses,messages", "--modes", "stream",
@@ -56,6 +63,27 @@ def test_long_stream_verdict_tells_linear_from_quadratic() -> None:
     text, verdicts = report.long_table(linear + quadratic)
     assert verdicts == {("chat", "kiln"): True, ("messages", "kiln"): False}
     assert "GROWS" in text
+
+
+def test_a_target_is_judged_on_paired_rounds_when_there_are_enough() -> None:
+    """Best over best can set Kiln's run in a fast spell of the machine against the bare proxy's in
+    a slow one (or the reverse); with three or more rounds the median pair is what is judged."""
+    from load import Result
+    from workloads import make
+
+    def row(kiln_rps: float, pairs: list[float]) -> list[report.Row]:
+        w = make("chat", "stream", True)
+        kiln = Result(int(kiln_rps), 1.0, 0, 1.0, 2.0, 300.0, paired_rps=pairs, paired_cpu=pairs)
+        return [(w, 64, {"bare": Result(1000, 1.0, 0, 1.0, 2.0, 250.0), "kiln": kiln})]
+
+    # best over best 0.85; the rounds' pairs 0.70, 0.75, 0.78: judged 0.75, a miss
+    (verdict,) = [t for t in report.targets(row(850, [0.78, 0.70, 0.75])) if "stream chat" in t]
+    assert verdict.endswith("MISS") and "0.75 (median of 3 pairs; best over best 0.85)" in verdict
+    # two pairs are too few: best over best is judged
+    (verdict,) = [t for t in report.targets(row(850, [0.70, 0.75])) if "stream chat" in t]
+    assert verdict == "stream chat c=64 Kiln/bare streams/s ≥ 0.8: 0.85 OK"
+    text, _ = report.main_table(row(850, [0.78, 0.70, 0.75]), ["bare", "kiln"])
+    assert "0.85 (paired 0.75, 0.70–0.78)" in text
 
 
 @pytest.mark.parametrize("build", [agent_bodies.claude_code_messages, agent_bodies.codex_responses])
