@@ -47,16 +47,21 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--targets", default="bare,kiln", help="bare,kiln (default) or one of them")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (callgrind dumps for callgrind_annotate)")
+    p.add_argument("--cache", action="store_true",
+                   help="also simulate the caches (valgrind's model of this CPU's): first-level instruction and "
+                        "data misses and last-level misses per request (about twice as slow)")
     return p.parse_args()
 
 
-def under_valgrind(stack: ExitStack, tmp: Path, name: str, cmd: list[str], env: dict[str, str]) -> tuple[Server, Path]:
+def under_valgrind(stack: ExitStack, tmp: Path, name: str, cmd: list[str], env: dict[str, str],
+                   cache: bool = False) -> tuple[Server, Path]:
     out = tmp / f"{name}.callgrind"
-    proc = spawn(stack, [*VALGRIND, f"--callgrind-out-file={out}", *cmd], tmp / f"{name}.log", env=env)
+    valgrind = [*VALGRIND, "--cache-sim=yes"] if cache else VALGRIND
+    proc = spawn(stack, [*valgrind, f"--callgrind-out-file={out}", *cmd], tmp / f"{name}.log", env=env)
     return Server(name, "", proc, tmp / f"{name}.log"), out
 
 
-def start(stack: ExitStack, tmp: Path, target: str, sim_url: str) -> tuple[Server, Path]:
+def start(stack: ExitStack, tmp: Path, target: str, sim_url: str, cache: bool = False) -> tuple[Server, Path]:
     import os
 
     port = free_port()
@@ -68,7 +73,7 @@ def start(stack: ExitStack, tmp: Path, target: str, sim_url: str) -> tuple[Serve
         cmd = [PY, "-m", "kiln", "serve", "--config", str(config), "--port", str(port)]
         env = {**os.environ, "KILN_ADMIN_KEY": ADMIN_KEY, "KILN_CONFIG": str(config), "KILN_PORT": str(port),
                "KILN_DATA_DIR": str(tmp / "kiln-data")}
-    server, out = under_valgrind(stack, tmp, target, cmd, env)
+    server, out = under_valgrind(stack, tmp, target, cmd, env, cache)
     server.url = f"http://127.0.0.1:{port}"
     wait_until(lambda: _answers(server.url + "/health"), server.proc, server.log, f"{target} under valgrind", 600)
     return server, out
@@ -90,17 +95,28 @@ async def drive(url: str, body: dict, headers: dict[str, str], n: int, concurren
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
 
 
-def total_ir(path: Path) -> int:
-    """The instruction total of a callgrind dump (its `totals:` or `summary:` line)."""
+def totals(path: Path) -> dict[str, int]:
+    """The event totals of a callgrind dump (its `events:` line named, its `totals:` or `summary:` line
+    counted): Ir, and with the cache simulation I1mr, ILmr, Dr, D1mr, DLmr, Dw, D1mw, DLmw."""
     text = path.read_text(errors="replace")
-    found = re.findall(r"^(?:totals|summary):\s+(\d+)", text, re.M)
-    if not found:
+    names = re.findall(r"^events:\s+(.+)$", text, re.M)
+    found = re.findall(r"^(?:totals|summary):\s+([\d ]+)$", text, re.M)
+    if not found or not names:
         raise BenchError(f"no totals in {path}")
-    return int(found[-1])
+    return dict(zip(names[-1].split(), (int(n) for n in found[-1].split())))
 
 
-def measure(stack: ExitStack, tmp: Path, target: str, sim: Server, w: Workload, a: argparse.Namespace) -> float:
-    server, out = start(stack, tmp, target, sim.url)
+def cache_line(per: dict[str, float]) -> str:
+    """First-level instruction and data misses and last-level misses, per request."""
+    d1 = per.get("D1mr", 0) + per.get("D1mw", 0)
+    ll = per.get("ILmr", 0) + per.get("DLmr", 0) + per.get("DLmw", 0)
+    return f"I1 misses {per.get('I1mr', 0) / 1e3:.1f} K, D1 misses {d1 / 1e3:.1f} K, LL misses {ll / 1e3:.2f} K"
+
+
+def measure(stack: ExitStack, tmp: Path, target: str, sim: Server, w: Workload,
+            a: argparse.Namespace) -> dict[str, float]:
+    """Events per request (Ir, and the cache misses with --cache)."""
+    server, out = start(stack, tmp, target, sim.url, a.cache)
     headers = {}
     url, body = server.url + w.path, w.body
     if target == "kiln":
@@ -122,7 +138,7 @@ def measure(stack: ExitStack, tmp: Path, target: str, sim: Server, w: Workload, 
     dumps = sorted(tmp.glob(f"{out.name}*"), key=lambda p: p.stat().st_mtime)
     if not dumps:
         raise BenchError(f"callgrind wrote no dump for {target}")
-    return total_ir(dumps[-1]) / a.requests
+    return {name: count / a.requests for name, count in totals(dumps[-1]).items()}
 
 
 def main() -> int:
@@ -131,7 +147,7 @@ def main() -> int:
         print("valgrind (with callgrind_control) is not installed", file=sys.stderr)
         return 2
     targets = [t for t in a.targets.split(",") if t]
-    results: dict[str, float] = {}
+    results: dict[str, dict[str, float]] = {}
     with ExitStack() as stack:
         tmp = Path(tempfile.mkdtemp(prefix="kiln-instructions-"))
         if a.keep:
@@ -143,11 +159,17 @@ def main() -> int:
         if w.rules:
             set_sim_rules(sim, w.rules)
         for target in sorted(targets, key=lambda t: t != "kiln"):  # Kiln first: the chat body it makes
-            results[target] = measure(stack, tmp, target, sim, w, a)
-            print(f"{a.protocol}/{a.workload} {target}: {results[target] / 1e6:.3f} M instructions per request",
+            per = results[target] = measure(stack, tmp, target, sim, w, a)
+            extra = f"; {cache_line(per)}" if a.cache else ""
+            print(f"{a.protocol}/{a.workload} {target}: {per['Ir'] / 1e6:.3f} M instructions per request{extra}",
                   flush=True)
     if "bare" in results and "kiln" in results:
-        print(f"Kiln / bare proxy: {results['kiln'] / results['bare']:.2f}x the instructions per request")
+        kiln, bare = results["kiln"], results["bare"]
+        print(f"Kiln / bare proxy: {kiln['Ir'] / bare['Ir']:.2f}x the instructions per request")
+        if a.cache:
+            for name in ("I1mr", "D1mr", "DLmr"):
+                if bare.get(name):
+                    print(f"Kiln / bare proxy: {kiln[name] / bare[name]:.2f}x the {name} per request")
     return 0
 
 
