@@ -157,7 +157,8 @@ def table(b: Bench, workloads: list[Workload], levels: list[int], targets: list[
         loads = prepare(b, w, targets)
         for c in levels:
             cell: Cell = {}
-            pairs: list[tuple[float, float]] = []
+            paired_rps: list[float] = []
+            paired_cpu: list[float] = []
             for _ in range(repeat):
                 last: dict[str, Result] = {}
                 for target in targets:
@@ -177,11 +178,11 @@ def table(b: Bench, workloads: list[Workload], levels: list[int], targets: list[
                             cell[target] = res
                 bare, kiln = last.get("bare"), last.get("kiln")
                 if bare and kiln and kiln.cpu_us > 0:
-                    pairs.append((kiln.rps / bare.rps, bare.cpu_us / kiln.cpu_us))
+                    paired_rps.append(kiln.rps / bare.rps)
+                    paired_cpu.append(bare.cpu_us / kiln.cpu_us)
             kiln_best = cell.get("kiln")
             if repeat > 1 and isinstance(kiln_best, Result):
-                kiln_best.paired_rps = [p[0] for p in pairs]
-                kiln_best.paired_cpu = [p[1] for p in pairs]
+                kiln_best.paired_rps, kiln_best.paired_cpu = paired_rps, paired_cpu
             rows.append((w, c, cell))
             line = ", ".join(f"{t} {r.rps:,.0f}" if isinstance(r, Result) else f"{t} n/a" for t, r in cell.items())
             print(f"  {w.key:22} c={c:<3} {line} rps", flush=True)

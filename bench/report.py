@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from statistics import median
+
 from load import Result
 from measure import NAMES, Cell, LongRow
 from soak import RssResult, SlowResult
@@ -17,15 +19,9 @@ def _ratio(a: float, b: float, fmt: str = "{:.2f}") -> str:
 PAIRED_AT_LEAST = 3  # pairs (rounds of --repeat) before their median is what a target is judged on
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def _paired(best: str, pairs: list[float]) -> str:
     """A best-of-each ratio, and with --repeat the median of the rounds' pairs beside it."""
-    return f"{best} (paired {_median(pairs):.2f}, {min(pairs):.2f}–{max(pairs):.2f})" if pairs else best
+    return f"{best} (paired {median(pairs):.2f}, {min(pairs):.2f}–{max(pairs):.2f})" if pairs else best
 
 
 def kiln_over_bare(kiln: Result, bare: Result) -> tuple[float, str]:
@@ -33,8 +29,8 @@ def kiln_over_bare(kiln: Result, bare: Result) -> tuple[float, str]:
     there are enough of them (each pair shares one spell of the machine), else best over best."""
     best = kiln.rps / bare.rps
     if len(kiln.paired_rps) >= PAIRED_AT_LEAST:
-        median = _median(kiln.paired_rps)
-        return median, f"{median:.2f} (median of {len(kiln.paired_rps)} pairs; best over best {best:.2f})"
+        middle = median(kiln.paired_rps)
+        return middle, f"{middle:.2f} (median of {len(kiln.paired_rps)} pairs; best over best {best:.2f})"
     return best, f"{best:.2f}"
 
 

@@ -111,15 +111,12 @@ class _Call:
 
 # The events of a text answer, from bytes: a dict and an orjson call each cost several times more,
 # and the texts are JSON string bodies already (text_runs.py). Keys in the order `event()` writes them.
-_TEXT_DELTA = (b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":%d,'
-               b'"item_id":"%b","output_index":%d,"content_index":0,"delta":"%b","logprobs":[]}\n\n')
-# The same event in three parts, for a run of deltas: its start; the rest up to the delta's end,
-# with the item's id and output index (%% keeps the places of the sequence number and the delta
-# for the second formatting); its end.
+# In parts, for a run of deltas: its start, the item's fields (filled in once per run), its end.
 _DELTA_START = b'event: response.output_text.delta\ndata: {"type":"response.output_text.delta","sequence_number":'
-_DELTA_MIDDLE = b'%%d,"item_id":"%b","output_index":%d,"content_index":0,"delta":"%%b'
+_DELTA_ITEM = b',"item_id":"%b","output_index":%d,"content_index":0,"delta":"'
 _DELTA_END = b'","logprobs":[]}\n\n'
 _DELTA_JOIN = _DELTA_END + _DELTA_START
+_TEXT_DELTA = _DELTA_START + b"%d" + _DELTA_ITEM + b"%b" + _DELTA_END
 _HEAD = (b'event: response.created\ndata: {"type":"response.created","sequence_number":%d,"response":%b}\n\n'
          b'event: response.in_progress\ndata: {"type":"response.in_progress","sequence_number":%d,"response":%b}\n\n')
 _MESSAGE_ADDED = (
@@ -228,7 +225,8 @@ class EventStream:
             seq, self.seq = self.seq, self.seq + len(bodies)
             # The item's fields filled in once: each delta then formats its number and its text,
             # and the events are joined around the ends they share.
-            middle = _DELTA_MIDDLE % (item.item_id.encode().replace(b"%", b"%%"), item.output_index)
+            fields = (_DELTA_ITEM % (item.item_id.encode(), item.output_index)).replace(b"%", b"%%")
+            middle = b"%d" + fields + b"%b"
             deltas = [middle % (seq + k, body) for k, body in enumerate(bodies)]
             out.append(_DELTA_START + _DELTA_JOIN.join(deltas) + _DELTA_END)
         return b"".join(out)
