@@ -116,13 +116,19 @@ def first_token_table(rows: dict[str, dict[str, float | str]], limit_ms: float =
 
 
 def slow_lines(s: SlowResult, limit_mb: float = 300.0) -> list[str]:
-    ok = s.completed == s.n and s.peak_open == s.n and s.peak_rss_mb <= limit_mb
+    """The slow-stream check's lines; `limit_mb` in MB (10^6 bytes), as the target says, against
+    RSS read in MiB."""
+    peak_mb = s.peak_rss_mb * 1.048576
+    ok = s.completed == s.n and s.peak_open == s.n and peak_mb <= limit_mb
     body = ", 60 KB agent bodies" if s.body == "agent" else ""
+    gateway = "gateway" if s.workers == 1 else f"gateway ({s.workers} workers and their parent, summed)"
+    files = "" if s.workers == 1 else " in one worker"
     out = [f"- many slow streams ({s.protocol}{body}, one token a second): {s.completed:,} of {s.n:,} complete in "
            f"{s.seconds:.0f} s (all opened in {s.open_s:.0f} s); up to {s.peak_open:,} open at once at the client, "
-           f"{s.upstream_peak:,} at the simulator; gateway RSS idle "
-           f"{s.idle_rss_mb:.0f} MiB, peak {s.peak_rss_mb:.0f} MiB ({s.kb_per_stream:.0f} KiB per stream); "
-           f"ledger {s.metered:,} events; gateway open files up to {s.peak_fds:,} (limit {s.fd_limit:,}); "
+           f"{s.upstream_peak:,} at the simulator; {gateway} RSS idle "
+           f"{s.idle_rss_mb:.0f} MiB, peak {s.peak_rss_mb:.0f} MiB = {peak_mb:.0f} MB ({s.kb_per_stream:.0f} KiB per "
+           f"stream); ledger {s.metered:,} events; open files up to {s.peak_fds:,}{files} (limit {s.fd_limit:,}"
+           f"{' each' if s.workers > 1 else ''}); "
            f"{'OK' if ok else 'MISS'} (all open at once, all complete, peak ≤ {limit_mb:.0f} MB)"]
     if s.bare is not None:
         t = s.bare
@@ -135,8 +141,8 @@ def slow_lines(s: SlowResult, limit_mb: float = 300.0) -> list[str]:
     if s.problems:
         out.append("  - failures: " + "; ".join(f"{n}× {p}" for p, n in s.problems.items()))
     if s.fd_exhausted or s.peak_fds >= s.fd_limit - 16:
-        out.append(f"  - the gateway ran out of file descriptors (limit {s.fd_limit:,}; raise it with "
-                   "--gateway-nofile to see what else limits it)")
+        out.append(f"  - the gateway ran out of file descriptors (limit {s.fd_limit:,}; each stream takes two: raise "
+                   "the limit with --gateway-nofile, or spread the streams over --slow-workers)")
     return out
 
 

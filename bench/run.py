@@ -59,6 +59,9 @@ def parse_args() -> argparse.Namespace:
                    "(default 250)")
     p.add_argument("--slow-tokens", type=int, default=0, help="slow: tokens (= seconds) per stream "
                    "(default N / 100 + 15)")
+    p.add_argument("--slow-workers", type=int, default=1,
+                   help="slow: Kiln workers (default 1; more run on PostgreSQL and Redis, $KILN_BENCH_PG and "
+                        "$KILN_BENCH_REDIS, each with its own open-file limit)")
     p.add_argument("--rss-requests", type=int, default=100_000, help="rss: requests in all (default 100,000)")
     p.add_argument("--rss-concurrency", type=int, default=64, help="rss: connections (default 64)")
     p.add_argument("--full", action="store_true", help="the targets' sizes: 10,000 slow streams, 1,000,000 RSS requests")
@@ -172,7 +175,8 @@ def main_sections(a: argparse.Namespace, stack: ExitStack, tmp: Path, sim: Serve
     if "slow" in a.sections:
         print(f"many slow streams ({a.slow_streams:,}):", flush=True)
         out += report.slow_lines(slow_streams(b, stack, tmp, a.slow_streams, a.slow_protocol, a.server, gw_cpu,
-                                              nofile, a.slow_rate, a.slow_tokens, a.slow_body))
+                                              nofile, a.slow_rate, a.slow_tokens, a.slow_body,
+                                              a.slow_workers))
     out.append(ledger_line(b, org_id))
     return out
 

@@ -91,14 +91,15 @@ class Server:
         return self._status_kb("VmHWM:") / 1024
 
     def open_files(self) -> int:
-        """File descriptors open in the process tree now."""
-        total = 0
+        """The most file descriptors one process of the tree has open now (each process has its
+        own open-file limit: with several workers, the fullest worker is the one near it)."""
+        most = 0
         for pid in self.pids():
             try:
-                total += len(os.listdir(f"/proc/{pid}/fd"))
+                most = max(most, len(os.listdir(f"/proc/{pid}/fd")))
             except OSError:
                 continue
-        return total
+        return most
 
     def nofile_limit(self) -> int:
         """The open-file limit the process actually has (soft)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import subprocess
 import threading
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from load import Load
+from scaleout import PG, REDIS, drop_keys, drop_schema, known_everywhere, pg_problem, redis_problem
 from measure import Bench, prepare
 from servers import (PY, BenchError, Server, create_tenant, http, pinned, set_sim_rules, start_bare, start_kiln, stop,
                      usage_events)
@@ -44,6 +46,7 @@ class SlowResult:
     peak_fds: int  # most file descriptors the gateway had open
     fd_limit: int  # the gateway's open-file limit
     body: str = "small"  # small | agent (the 60 KB agent bodies)
+    workers: int = 1  # Kiln's worker processes (RSS summed over them and their parent)
     bare: SlowResult | None = None  # the same streams through the bare proxy (chat and completions)
 
     @property
@@ -64,17 +67,19 @@ def slow_workload(protocol: str, body: str, tokens: int) -> Workload:
 
 def slow_streams(b: Bench, stack: ExitStack, tmp: Path, n: int, protocol: str, server: str,
                  gw_cpu: int | None, nofile: tuple[int, int], rate: float = 250.0, tokens: int = 0,
-                 body: str = "small") -> SlowResult:
+                 body: str = "small", workers: int = 1) -> SlowResult:
     """N streams of one token a second through a fresh Kiln, long enough to be all open at once,
-    then (chat and completions) the same through a fresh bare proxy.
+    then (chat and completions, one worker) the same through a fresh bare proxy.
 
     Opening a stream costs the gateway about a millisecond of CPU (more on a busy machine), so
     each stream lasts `tokens` seconds (default: N / 100 + 15, i.e. the last one opens before the
     first one ends as long as the gateway opens 100 a second)."""
     kiln_tmp = tmp / "slow"
     kiln_tmp.mkdir()
-    kiln = start_kiln(stack, kiln_tmp, b.sim.url, gw_cpu, server, nofile)
+    kiln = start_kiln(stack, kiln_tmp, b.sim.url, gw_cpu, server, nofile, workers=workers,
+                      env=_shared_env(stack) if workers > 1 else None)
     org_id, key = create_tenant(kiln)
+    known_everywhere(kiln, key, workers)
     tokens = tokens or math.ceil(n / 100) + 15
     w = slow_workload(protocol, body, tokens)
     quick = Bench({"direct": b.sim, "kiln": kiln}, key, b.run, b.load_cpu, b.duration, b.warmup)
@@ -86,9 +91,9 @@ def slow_streams(b: Bench, stack: ExitStack, tmp: Path, n: int, protocol: str, s
     events, deadline = 0, time.monotonic() + 30  # metering of the last streams may lag
     while (events := usage_events(kiln, org_id)) < result.completed + quick.kiln_sent and time.monotonic() < deadline:
         time.sleep(0.5)
-    result.metered, result.body = events - quick.kiln_sent, body
+    result.metered, result.body, result.workers = events - quick.kiln_sent, body, workers
     stop(kiln.proc)  # free the gateway's core for what follows
-    if protocol in ("chat", "completions") and body == "small":
+    if protocol in ("chat", "completions") and body == "small" and workers == 1:
         bare_tmp = tmp / "slow-bare"
         bare_tmp.mkdir()
         bare = start_bare(stack, bare_tmp, b.sim.url, gw_cpu, server, nofile)
@@ -96,6 +101,19 @@ def slow_streams(b: Bench, stack: ExitStack, tmp: Path, n: int, protocol: str, s
         result.bare = _slow_run(b, bare, bare_tmp, w.upstream_path, direct, {}, protocol, n, rate, tokens)
         stop(bare.proc)
     return result
+
+
+def _shared_env(stack: ExitStack) -> dict[str, str]:
+    """What several workers need: a PostgreSQL schema and a Redis key prefix of their own, both
+    removed when `stack` closes (after the gateway stopped)."""
+    for service, problem in (("PostgreSQL", pg_problem()), ("Redis", redis_problem())):
+        if problem:
+            raise BenchError(f"--slow-workers needs {service}: {problem}")
+    tag = f"slow_{secrets.token_hex(4)}"
+    stack.callback(drop_schema, PG, f"kiln_bench_{tag}")
+    stack.callback(drop_keys, REDIS, f"kiln-bench-{tag}")
+    return {"KILN_DATABASE": f"{PG}?schema=kiln_bench_{tag}", "KILN_REDIS_URL": REDIS,
+            "KILN_REDIS_PREFIX": f"kiln-bench-{tag}"}
 
 
 def _slow_run(b: Bench, gw: Server, tmp: Path, path: str, body: dict[str, Any], headers: dict[str, str],

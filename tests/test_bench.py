@@ -113,6 +113,23 @@ def test_workers_section_one_worker_against_two() -> None:
     assert "usage ledger (redis+pg x2):" in out and "MISMATCH" not in out
 
 
+def test_slow_streams_through_one_worker_and_the_bare_proxy() -> None:
+    out = bench("--sections", "slow", "--slow-streams", "60", "--slow-tokens", "4")
+    assert "many slow streams (chat, one token a second): 60 of 60 complete" in out
+    assert "; gateway RSS idle" in out and "OK (all open at once, all complete, peak ≤ 300 MB)" in out
+    assert "the bare proxy, the same streams: 60 of 60 complete" in out
+
+
+def test_slow_streams_spread_over_two_workers() -> None:
+    """Each stream holds two descriptors in the gateway: past half the hard open-file limit,
+    streams are spread over workers, each with a limit of its own."""
+    skip_unless_reachable("postgresql", "redis")
+    out = bench("--sections", "slow", "--slow-streams", "60", "--slow-tokens", "4", "--slow-workers", "2")
+    assert "60 of 60 complete" in out and "gateway (2 workers and their parent, summed) RSS idle" in out
+    assert " in one worker (limit " in out and "OK (all open at once, all complete, peak ≤ 300 MB)" in out
+    assert "the bare proxy" not in out  # one process could not hold what two do
+
+
 def test_redis_section_in_process_against_redis_admission() -> None:
     skip_unless_reachable("redis")
     out = bench("--sections", "redis", "--modes", "stream")
