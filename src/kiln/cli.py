@@ -14,13 +14,11 @@ import json
 import os
 import subprocess
 import sys
-import urllib.error
 import urllib.parse
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kiln import config, tables, wiring
+from kiln import config
 from kiln.config import ConfigError, Settings
 from kiln.workers import reuse_port_socket, supervise, worker_index
 
@@ -91,11 +89,13 @@ def serve_command(args: argparse.Namespace) -> None:
         argv = ["serve", *(["--config", args.config] if args.config else []),
                 *(["--host", args.host] if args.host else []), *(["--data-dir", args.data_dir] if args.data_dir else [])]
         raise SystemExit(supervise(settings.workers, settings.host, settings.port, argv))
-    sim_url = start_demo_simulator() if settings.demo else None
-    catalog = wiring.build_catalog(settings, sim_url=sim_url)
-
+    # Imported here, not at the top: a parent of several workers serves nothing and stays small.
+    from kiln import wiring
     from kiln.app import create_app
     from kiln.server import serve
+
+    sim_url = start_demo_simulator() if settings.demo else None
+    catalog = wiring.build_catalog(settings, sim_url=sim_url)
 
     settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)  # the database and keys live here
     bootstrap = index in (None, 0)  # one worker shows the first-start credentials
@@ -355,6 +355,8 @@ def admin_command(args: argparse.Namespace) -> None:
     elif args.json:
         print(json.dumps(result, indent=2))
     else:
+        from kiln import tables
+
         note = result.pop("note", None) if isinstance(result, dict) else None  # a new key's "shown once"
         print(tables.render("summary" if (w, v) == ("usage", "summary") else w, result))
         if note:
@@ -390,6 +392,9 @@ def _query(**params: Any) -> str:
 
 
 def _call(url: str, admin_key: str, method: str, path: str, body: dict[str, Any] | None) -> Any:
+    import urllib.error
+    import urllib.request
+
     data = json.dumps(body).encode() if body is not None else None
     req = urllib.request.Request(
         url.rstrip("/") + "/admin/v1" + path,
