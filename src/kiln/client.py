@@ -24,6 +24,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
+from kiln import timer_wheel
 from kiln.running import running_loop
 
 HIGH_WATER = 256 * 1024  # bytes of a stream held unread before the socket stops being read
@@ -182,7 +183,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.loop = running_loop()
         self.idle_since = self.wait_since = 0.0
-        self.watchdog: asyncio.TimerHandle | None = None
+        self.watchdog: asyncio.Handle | timer_wheel.Entry | None = None  # idle_s: 10 minutes by default
         self.settling: asyncio.TimerHandle | None = None  # the end of an answer is awaited off the request's path
         self.uses = 0
         self._counted = True
@@ -224,7 +225,7 @@ class Connection(asyncio.Protocol):
         if idle_s is not None:
             self.wait_since = loop.time()
             if self.watchdog is None:
-                self.watchdog = loop.call_at(self.wait_since + idle_s, self._watch, idle_s)
+                self.watchdog = timer_wheel.call_at(loop, self.wait_since + idle_s, self._watch, idle_s)
         try:
             await waiter
         finally:
@@ -239,7 +240,7 @@ class Connection(asyncio.Protocol):
         if self.loop.time() >= due:
             waiter.set_exception(TimeoutError())
         else:
-            self.watchdog = self.loop.call_at(due, self._watch, idle_s)
+            self.watchdog = timer_wheel.call_at(self.loop, due, self._watch, idle_s)
 
     def done_with(self, ended: bool = False) -> None:
         """The caller is done with the answer: keep the connection if the answer ended cleanly,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 
+from kiln import timer_wheel
 from kiln.running import running_loop
 
 
@@ -26,9 +27,9 @@ class Deadline:
         self._task = asyncio.current_task(self._loop)
         self._active = False
         self._cancelling = 0
-        self._handle: asyncio.Handle | None = None
-        if seconds is not None:
-            self._handle = self._loop.call_later(max(seconds, 0.0), self._expire)
+        self._handle: asyncio.Handle | timer_wheel.Entry | None = None
+        if seconds is not None:  # a long limit (a request's hour) is a coarse timer: see timer_wheel
+            self._handle = timer_wheel.call_later(self._loop, max(seconds, 0.0), self._expire)
 
     def expire(self) -> None:
         """End the block now, as if its time were up (it gets TimeoutError once it waits)."""
