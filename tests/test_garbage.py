@@ -126,3 +126,24 @@ def test_requests_leave_no_cyclic_garbage(fresh_gateway: Gateway) -> None:
                     count += 1
     freed = collected(gateway) - before
     assert freed < count / 10, f"{freed:.0f} objects freed by the cycle collector over {count} requests"
+
+
+def test_closed_connections_leave_no_cyclic_garbage(fresh_gateway: Gateway) -> None:
+    """A client connection holds its HTTP parser, and the parser holds the connection's callbacks:
+    a cycle, unless the connection lets its parser go when it closes. Agents and load generators
+    open connection after connection; each closed one waited for the collector, and the old ones
+    for a full collection: the gateway's RSS grew about 3 bytes a request over a million."""
+    gateway = fresh_gateway
+    tenant = gateway.new_key()
+    before = collected(gateway)
+    count = 0
+    headers = {"Authorization": f"Bearer {tenant.key}", "x-api-key": tenant.key, "Connection": "close"}
+    with httpx.Client(base_url=gateway.url, headers=headers, timeout=30) as client:
+        for _ in range(150):
+            for path, body in REQUESTS:
+                for stream in (False, True):
+                    r = client.post(path, json={**body, "stream": stream})
+                    assert r.status_code == 200, r.text
+                    count += 1
+    freed = collected(gateway) - before
+    assert freed < count / 10, f"{freed:.0f} objects freed by the cycle collector over {count} connections"

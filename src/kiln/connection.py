@@ -137,6 +137,9 @@ class ClientConnection(asyncio.Protocol):
             self._evict()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # The parser holds this connection's callbacks: let it go, or every closed connection
+        # waits in a cycle for the collector (tests/test_garbage.py). Nothing is fed after this.
+        self.parser = None  # type: ignore[assignment]
         self.server_state.connections.discard(self)
         self.shared.waiting.pop(self, None)
         exchange = self.exchange
