@@ -112,20 +112,24 @@ def test_requests_leave_no_cyclic_garbage(fresh_gateway: Gateway) -> None:
     last) were most of a single client's slowest requests: 13 objects a request (the connection's
     exchange and its scope, through the body reader the scope held) made a young collection every
     770 requests, up to 3 ms each. Before the fix, these requests fed it about 30,000 objects."""
-    gateway = fresh_gateway
+    freed, count = _freed_over(fresh_gateway, 300, {})
+    assert freed < count / 10, f"{freed:.0f} objects freed by the cycle collector over {count} requests"
+
+
+def _freed_over(gateway: Gateway, rounds: int, extra: dict[str, str]) -> tuple[float, int]:
+    """Every protocol's JSON answer and stream, `rounds` times: what the collector freed meanwhile."""
     tenant = gateway.new_key()
     before = collected(gateway)
     count = 0
-    with httpx.Client(base_url=gateway.url, headers={"Authorization": f"Bearer {tenant.key}",
-                                                    "x-api-key": tenant.key}, timeout=30) as client:
-        for _ in range(300):
+    headers = {"Authorization": f"Bearer {tenant.key}", "x-api-key": tenant.key, **extra}
+    with httpx.Client(base_url=gateway.url, headers=headers, timeout=30) as client:
+        for _ in range(rounds):
             for path, body in REQUESTS:
                 for stream in (False, True):
                     r = client.post(path, json={**body, "stream": stream})
                     assert r.status_code == 200, r.text
                     count += 1
-    freed = collected(gateway) - before
-    assert freed < count / 10, f"{freed:.0f} objects freed by the cycle collector over {count} requests"
+    return collected(gateway) - before, count
 
 
 def test_closed_connections_leave_no_cyclic_garbage(fresh_gateway: Gateway) -> None:
@@ -133,17 +137,5 @@ def test_closed_connections_leave_no_cyclic_garbage(fresh_gateway: Gateway) -> N
     a cycle, unless the connection lets its parser go when it closes. Agents and load generators
     open connection after connection; each closed one waited for the collector, and the old ones
     for a full collection: the gateway's RSS grew about 3 bytes a request over a million."""
-    gateway = fresh_gateway
-    tenant = gateway.new_key()
-    before = collected(gateway)
-    count = 0
-    headers = {"Authorization": f"Bearer {tenant.key}", "x-api-key": tenant.key, "Connection": "close"}
-    with httpx.Client(base_url=gateway.url, headers=headers, timeout=30) as client:
-        for _ in range(150):
-            for path, body in REQUESTS:
-                for stream in (False, True):
-                    r = client.post(path, json={**body, "stream": stream})
-                    assert r.status_code == 200, r.text
-                    count += 1
-    freed = collected(gateway) - before
+    freed, count = _freed_over(fresh_gateway, 150, {"Connection": "close"})
     assert freed < count / 10, f"{freed:.0f} objects freed by the cycle collector over {count} connections"
