@@ -178,6 +178,19 @@ class Scale:
         return None
 
 
+def own_services(stack: ExitStack, suffix: str, pg: bool, redis: bool) -> dict[str, str]:
+    """The environment of a gateway with a PostgreSQL schema and/or a Redis key prefix of its own,
+    both removed when `stack` closes (after the gateway stopped: callbacks run last in, first out)."""
+    env: dict[str, str] = {}
+    if pg:
+        stack.callback(drop_schema, PG, f"kiln_bench_{suffix}")
+        env["KILN_DATABASE"] = f"{PG}?schema=kiln_bench_{suffix}"
+    if redis:
+        stack.callback(drop_keys, REDIS, f"kiln-bench-{suffix}")
+        env.update(KILN_REDIS_URL=REDIS, KILN_REDIS_PREFIX=f"kiln-bench-{suffix}")
+    return env
+
+
 def start_setup(s: Scale, stack: ExitStack, name: str) -> Server | None:
     """The setup's gateway, with its own schema and key prefix (cleaned up when `stack` closes);
     None when it cannot run (s.refused says why)."""
@@ -187,13 +200,7 @@ def start_setup(s: Scale, stack: ExitStack, name: str) -> Server | None:
         return None
     slug = name.replace(" ", "-").replace("+", "-")
     suffix = f"{s.tag}_{slug.replace('-', '_')}"
-    env: dict[str, str] = {}
-    if setup.database == "PostgreSQL":
-        stack.callback(drop_schema, PG, f"kiln_bench_{suffix}")  # after the gateway stopped (LIFO)
-        env["KILN_DATABASE"] = f"{PG}?schema=kiln_bench_{suffix}"
-    if setup.admission == "Redis":
-        stack.callback(drop_keys, REDIS, f"kiln-bench-{suffix}")
-        env.update(KILN_REDIS_URL=REDIS, KILN_REDIS_PREFIX=f"kiln-bench-{suffix}")
+    env = own_services(stack, suffix, setup.database == "PostgreSQL", setup.admission == "Redis")
     try:
         return start_kiln(stack, s.tmp, s.sim.url, s.cpus(setup.workers), name=slug, workers=setup.workers,
                           env=env)

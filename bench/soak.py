@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from load import Load
-from scaleout import PG, REDIS, drop_keys, drop_schema, known_everywhere, pg_problem, redis_problem
+from scaleout import known_everywhere, own_services, pg_problem, redis_problem
 from measure import Bench, prepare
 from servers import (PY, BenchError, Server, create_tenant, http, pinned, set_sim_rules, start_bare, start_kiln, stop,
                      usage_events)
@@ -104,16 +104,11 @@ def slow_streams(b: Bench, stack: ExitStack, tmp: Path, n: int, protocol: str, s
 
 
 def _shared_env(stack: ExitStack) -> dict[str, str]:
-    """What several workers need: a PostgreSQL schema and a Redis key prefix of their own, both
-    removed when `stack` closes (after the gateway stopped)."""
+    """What several workers need: PostgreSQL and Redis, with a schema and key prefix of their own."""
     for service, problem in (("PostgreSQL", pg_problem()), ("Redis", redis_problem())):
         if problem:
             raise BenchError(f"--slow-workers needs {service}: {problem}")
-    tag = f"slow_{secrets.token_hex(4)}"
-    stack.callback(drop_schema, PG, f"kiln_bench_{tag}")
-    stack.callback(drop_keys, REDIS, f"kiln-bench-{tag}")
-    return {"KILN_DATABASE": f"{PG}?schema=kiln_bench_{tag}", "KILN_REDIS_URL": REDIS,
-            "KILN_REDIS_PREFIX": f"kiln-bench-{tag}"}
+    return own_services(stack, f"slow_{secrets.token_hex(4)}", pg=True, redis=True)
 
 
 def _slow_run(b: Bench, gw: Server, tmp: Path, path: str, body: dict[str, Any], headers: dict[str, str],

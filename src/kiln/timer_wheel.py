@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import weakref
 from typing import Any, Callable
 
 TICK_S = 1.0
@@ -58,7 +57,7 @@ def _nothing() -> None:
 class Wheel:
     """The coarse timers of one event loop."""
 
-    __slots__ = ("loop", "tick_s", "buckets", "handle", "next_bucket", "__weakref__")
+    __slots__ = ("loop", "tick_s", "buckets", "handle", "next_bucket")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, tick_s: float = TICK_S) -> None:
         self.loop = loop
@@ -93,8 +92,7 @@ class Wheel:
         self.handle = self.loop.call_at(self.next_bucket * self.tick_s, self._tick) if buckets else None
 
 
-_wheels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Wheel] = weakref.WeakKeyDictionary()
-_last: Wheel | None = None  # the wheel of the loop asked for last: the gateway's one loop
+_current: Wheel | None = None  # the running loop's: a gateway has one loop; another loop gets a new wheel
 
 
 def call_at(loop: asyncio.AbstractEventLoop, when: float, callback: Callable[..., Any],
@@ -114,11 +112,9 @@ def call_later(loop: asyncio.AbstractEventLoop, delay: float, callback: Callable
 
 
 def _wheel(loop: asyncio.AbstractEventLoop) -> Wheel:
-    global _last
-    wheel = _last
+    """The wheel of `loop`. A wheel left by another loop keeps its own entries and timer."""
+    global _current
+    wheel = _current
     if wheel is None or wheel.loop is not loop:
-        wheel = _wheels.get(loop)
-        if wheel is None:
-            wheel = _wheels[loop] = Wheel(loop)
-        _last = wheel
+        wheel = _current = Wheel(loop)
     return wheel
