@@ -18,6 +18,7 @@ how a model server learns to stop generating.
 from __future__ import annotations
 
 import asyncio
+import copy
 import ssl
 from collections import deque
 from urllib.parse import urlsplit
@@ -180,7 +181,7 @@ class Connection(asyncio.Protocol):
     def __init__(self, pool: Pool) -> None:
         self.pool = pool
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        self.parser: httptools.HttpResponseParser = None  # type: ignore[assignment]  # see connection_made
         self.loop = running_loop()
         self.idle_since = self.wait_since = 0.0
         self.watchdog: asyncio.Handle | timer_wheel.Entry | None = None  # idle_s: 10 minutes by default
@@ -219,7 +220,9 @@ class Connection(asyncio.Protocol):
         slow stream waits once a token): it fires at the earliest moment a wait can have
         lasted `idle_s`, and rearms for the wait in progress."""
         if self.error is not None:
-            raise self.error
+            # A copy: raised, the stored error would hold this frame, and the frame this
+            # connection, in a cycle for the collector (tests/test_garbage.py).
+            raise copy.copy(self.error)
         loop = self.loop
         self.waiter = waiter = loop.create_future()
         if idle_s is not None:
@@ -287,6 +290,9 @@ class Connection(asyncio.Protocol):
     # -- asyncio's side ------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # Not in __init__: a connect that fails never calls connection_lost, which lets the
+        # parser (and the cycle between it and this connection's callbacks) go.
+        self.parser = httptools.HttpResponseParser(self)
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
@@ -312,6 +318,9 @@ class Connection(asyncio.Protocol):
         return False  # close our side too
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # The parser holds this connection's callbacks: let it go, or every closed connection
+        # waits in a cycle for the collector (tests/test_garbage.py). Nothing is fed after this.
+        self.parser = None  # type: ignore[assignment]
         self.transport = None
         if self.settling is not None:
             self.settling.cancel()
@@ -362,7 +371,7 @@ class Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.encoded:
             self.error = BrokenAnswer("a compressed answer (no Accept-Encoding was sent)")
-            raise self.error
+            raise copy.copy(self.error)
         status = self.parser.get_status_code()
         if status < 200:  # 100 Continue, 103 Early Hints: the answer is still to come
             self.informational = True

@@ -142,9 +142,13 @@ class ClientConnection(asyncio.Protocol):
         self.parser = None  # type: ignore[assignment]
         self.server_state.connections.discard(self)
         self.shared.waiting.pop(self, None)
-        exchange = self.exchange
+        # The exchange in progress holds this connection, and so would this connection the
+        # exchange, another cycle when a client leaves mid-answer; requests pipelined behind it
+        # will not be served.
+        exchange, self.exchange = self.exchange, None
         if exchange is not None:
             exchange.lose()
+        self.pipeline.clear()
         if self.writable is not None and not self.writable.done():
             self.writable.set_result(None)
         self.lost.fire()
