@@ -129,6 +129,36 @@ def test_a_usage_that_is_not_an_object_is_not_read_by_its_bytes(usage: bytes) ->
         assert taken == 2
 
 
+@pytest.mark.parametrize("usage", [
+    b'{"a":1},"choices":[]', b'{"a":1},"choices":{}', b'1,"choices":{}', b'{"a":{"b":1}}', b'{"a":"}"}', b'{"a":"{"}',
+    b'[{"a":1}]', b'{"a":1}\x00{', b'{"a":1}, "x":{}',
+])
+@pytest.mark.parametrize("at", [0, 2, 3])
+def test_json_a_parse_reads_otherwise_ends_the_run_before_it(usage: bytes, at: int) -> None:
+    """Only a run's last usage is parsed; the others are checked to be flat objects, so a valid
+    payload whose usage closes early and adds keys (a duplicate `choices`) is never taken."""
+    payloads = [chunk(w, usage=usage_at(k)) for k, w in enumerate(["a", "b", "c", "d"])]
+    payloads[at] = payloads[at].replace(orjson.dumps(usage_at(at)), usage)
+    try:
+        orjson.loads(payloads[at])
+    except orjson.JSONDecodeError:
+        return  # not JSON: see the next test
+    same(payloads)
+
+
+@pytest.mark.parametrize("usage", [b'{"prompt_tokens":}', b'{"prompt_tokens":1,,}', b'{"a" 1}', b"{}"])
+def test_a_malformed_flat_usage_the_run_does_not_report_is_taken(usage: bytes) -> None:
+    """Its payload is no JSON, its usage unused: the run takes its text (a full parse would
+    refuse the chunk). The run's last usage is parsed, and the run ends before a bad one."""
+    payloads = [chunk(w, usage=usage_at(k)) for k, w in enumerate(["a", "b", "c", "d"])]
+    payloads[1] = payloads[1].replace(orjson.dumps(usage_at(1)), usage)
+    groups, reported, taken = TextRuns().take(payloads, 0, 10**6)
+    assert (flat(groups), taken, reported) == ([("content", w) for w in "abcd"], 4, Usage.from_openai(usage_at(3)))
+    groups, reported, taken = TextRuns().take(payloads, 0, 2)  # now the bad one is the last
+    valid = usage == b"{}"
+    assert (taken, reported) == ((2, Usage.from_openai({})) if valid else (1, Usage.from_openai(usage_at(0))))
+
+
 def test_chunks_that_differ_elsewhere_are_parsed_one_by_one() -> None:
     """llama.cpp stamps each chunk with the second it was made: the skeleton rarely fits."""
     payloads = [chunk(f"w{k}", created=k // 3) for k in range(40)]
