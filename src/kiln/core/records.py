@@ -150,6 +150,9 @@ class Usage:
             return None
         # Straight-line checks, no generator: a continuous-usage stream brings one per token.
         prompt, completion = u.get("prompt_tokens"), u.get("completion_tokens")
+        if (len(u) == 3 and type(prompt) is int and type(completion) is int and "total_tokens" in u
+                and 0 <= prompt < MAX_TOKENS and 0 <= completion < MAX_TOKENS):
+            return cls(prompt, 0, completion, 0, True)  # the three counts alone: nothing cached, no reasoning
         cached, reasoning = None, u.get("reasoning_tokens")
         details, out_details = u.get("prompt_tokens_details"), u.get("completion_tokens_details")
         if details:
