@@ -46,3 +46,21 @@ def test_admission_suite_passes_on_redis() -> None:
                 await redis.close()
 
         asyncio.run(drop())
+
+
+def test_arguments_reach_redis_as_sent() -> None:
+    """Every argument type the client frames, around the end of its table of length lines."""
+    key = f"kiln-test-resp-{secrets.token_hex(4)}"
+    args = ["ü✓", b"\x00\r\n", "x" * 511, "x" * 512, "é" * 300, 0, -1, 2**70, 1.5, 0.1, "", b""]
+
+    async def go() -> list[str]:
+        redis = Resp("redis://127.0.0.1:6379/0")
+        try:
+            await redis.call("RPUSH", key, *args)
+            return await redis.call("LRANGE", key, 0, -1)  # type: ignore[no-any-return]
+        finally:
+            await redis.call("DEL", key)
+            await redis.close()
+
+    assert asyncio.run(go()) == ["ü✓", "\x00\r\n", "x" * 511, "x" * 512, "é" * 300, "0", "-1", str(2**70), "1.5",
+                                 "0.1", "", ""]
