@@ -216,3 +216,46 @@ def test_a_long_run_is_parsed_once_not_per_chunk(continuous: bool, monkeypatch: 
     assert taken == 200 and len(groups[0][1]) == 200
     assert len(calls) <= 4, "one full parse to learn, one to check the skeleton, one for the usages"
     assert usage == (Usage.from_openai(usage_at(199)) if continuous else None)
+
+
+def test_random_usages_never_read_valid_json_otherwise() -> None:
+    """Continuous-usage streams with some usage objects garbled (valid JSON a parse reads
+    otherwise, and no JSON at all): a run takes a payload only if a full parse calls it a plain
+    text delta, or if it is no JSON and its usage is one flat object; it reports the last taken
+    payload's usage, parsed."""
+    rnd = random.Random(3)
+    odd = [b'{"a":1},"choices":[]', b'1,"choices":{}', b'{"a":{"b":1}}', b'[1]', b'"x"', b'{"a":1}, "x":{}',
+           b'{"a":}', b'{"a" 1}', b'{', b'{"prompt_tokens":1,,}', b"{}", b'{"a":"}"}']
+    taken_odd = 0
+    for _ in range(400):
+        payloads = []
+        for k in range(rnd.randint(2, 30)):
+            p = chunk(rnd.choice(WORDS), usage=usage_at(k))
+            if rnd.random() < 0.15:
+                p = p.replace(orjson.dumps(usage_at(k)), rnd.choice(odd))
+            payloads.append(p)
+        runs, i = TextRuns(), 0
+        while i < len(payloads):
+            groups, usage, taken = runs.take(payloads, i, rnd.randint(1, 40))
+            texts = flat(groups)
+            assert len(texts) == taken
+            for j, p in enumerate(payloads[i:i + taken]):
+                try:
+                    data = orjson.loads(p)
+                except orjson.JSONDecodeError:
+                    inner = p[p.rindex(b'"usage":') + 8:-1]
+                    assert inner[:1] == b"{" and inner[-1:] == b"}" and b"{" not in inner[1:-1] \
+                        and b"}" not in inner[1:-1], p
+                    taken_odd += 1
+                    continue
+                assert reference([p], 0, 1)[2] == 1, p
+                assert texts[j] == ("content", data["choices"][0]["delta"]["content"])
+            if taken:
+                last = payloads[i + taken - 1]
+                try:
+                    reported = orjson.loads(last).get("usage")
+                except orjson.JSONDecodeError:  # no JSON: its usage bytes, which must parse
+                    reported = orjson.loads(last[last.rindex(b'"usage":') + 8:-1])
+                assert usage == Usage.from_openai(reported)
+            i += taken or 1
+    assert taken_odd > 20, "malformed flat usages were taken mid-run"
