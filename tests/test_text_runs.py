@@ -139,11 +139,7 @@ def test_json_a_parse_reads_otherwise_ends_the_run_before_it(usage: bytes, at: i
     payload whose usage closes early and adds keys (a duplicate `choices`) is never taken."""
     payloads = [chunk(w, usage=usage_at(k)) for k, w in enumerate(["a", "b", "c", "d"])]
     payloads[at] = payloads[at].replace(orjson.dumps(usage_at(at)), usage)
-    try:
-        orjson.loads(payloads[at])
-    except orjson.JSONDecodeError:
-        return  # not JSON: see the next test
-    same(payloads)
+    same(payloads)  # the one that is no JSON (a NUL in it) is not flat either: the run ends before it too
 
 
 @pytest.mark.parametrize("usage", [b'{"prompt_tokens":}', b'{"prompt_tokens":1,,}', b'{"a" 1}', b"{}"])
