@@ -7,6 +7,7 @@ import http.client
 import io
 import json
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -163,3 +164,68 @@ def test_x_forwarded_proto_counts_from_a_trusted_proxy_only(gateway: Gateway, si
         assert "Secure" not in _login_cookie(other.url, b"https")
     finally:
         stop(other.proc)
+
+
+@pytest.fixture
+def header_echo() -> Iterator[str]:
+    """A tiny app served by Kiln's HTTP/1.1 protocol under uvicorn on a real socket: it answers with
+    the response header named by the request's `X-Name` and `X-Value` (hex), as an app might
+    get one wrong."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from conftest import free_port
+    from kiln.connection import ConnectionLimits, protocol_for
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        asked = dict(scope["headers"])
+        header = (bytes.fromhex(asked[b"x-name"].decode()), bytes.fromhex(asked[b"x-value"].decode()))
+        await send({"type": "http.response.start", "status": 200, "headers": [header, (b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", lifespan="off", log_level="critical",
+                            http=protocol_for(app, ConnectionLimits()))
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not server.started:
+        assert time.monotonic() < deadline, "the header echo app did not start"
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.mark.parametrize(("name", "value", "sent"), [
+    (b"x-ok", b"plain", True),
+    (b"X-Tab", b"a\tb", True),
+    (b"x-utf8", "café".encode(), True),  # obs-text in a value, as HTTP allows
+    (b"x-symbols!#$%&'*+.^_`|~", b"1", True),  # every tchar
+    (b"bad name", b"1", False),
+    (b"bad:name", b"1", False),
+    (b"bad/name", b"1", False),  # not a tchar (RFC 9110)
+    (b"bad\x80name", b"1", False),
+    (b"x-split", b"a\r\nInjected: 1", False),  # response splitting
+    (b"x-nul", b"a\x00b", False),
+    (b"x-del", b"a\x7fb", False),
+])
+def test_a_response_header_http_does_not_allow_is_never_sent(header_echo: str, name: bytes, value: bytes,
+                                                              sent: bool) -> None:
+    w = Wire(header_echo)
+    try:
+        w.send(b"GET / HTTP/1.1\r\nHost: kiln\r\nX-Name: %b\r\nX-Value: %b\r\n\r\n" % (name.hex().encode(),
+                                                                                        value.hex().encode()))
+        if sent:
+            status, headers, body = w.answer()
+            assert (status, body) == (200, b"ok")
+            assert headers[name.decode().lower()] == value.decode("latin-1")
+        else:  # the connection closes with nothing of that response on it
+            assert w.file.read() == b""
+    finally:
+        w.close()

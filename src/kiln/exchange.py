@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import http
 import logging
-import re
 from typing import TYPE_CHECKING, Any, Callable
 
 from kiln.http import BODY
@@ -24,8 +23,11 @@ log = logging.getLogger("kiln.server")
 
 App = Callable[..., Any]
 STATUS_LINES = {s.value: b"HTTP/1.1 %d %s\r\n" % (s.value, s.phrase.encode()) for s in http.HTTPStatus}
-_BAD_NAME = re.compile(b'[\x00-\x1f\x7f()<>@,;:\\[\\]={} \t\\\\"]')  # what no header name may hold
-_BAD_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")  # nor a value (a tab may)
+# What a header name may hold (RFC 9110 `tchar`), and a value (anything but control characters;
+# a tab may): deleted with bytes.translate, what is left is not allowed. A regular expression's
+# character class cost about 50 instructions a byte, 10,000 a response.
+_NAME_BYTES = b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+_VALUE_BYTES = bytes(b for b in range(256) if b == 0x09 or 0x20 <= b != 0x7F)
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _END = b"0\r\n\r\n"
 
@@ -179,7 +181,7 @@ class Exchange:
                 self.keep_alive = False
                 continue
             lines.append(b"%b: %b\r\n" % (name, value))
-        if _BAD_NAME.search(b"-".join(names)) or _BAD_VALUE.search(b"\t".join(values)):
+        if b"-".join(names).translate(None, _NAME_BYTES) or b"\t".join(values).translate(None, _VALUE_BYTES):
             raise RuntimeError("a response header holds a character HTTP does not allow")
         if not self.keep_alive:
             lines.append(b"connection: close\r\n")
