@@ -64,3 +64,51 @@ def test_arguments_reach_redis_as_sent() -> None:
 
     assert asyncio.run(go()) == ["ü✓", "\x00\r\n", "x" * 511, "x" * 512, "é" * 300, "0", "-1", str(2**70), "1.5",
                                  "0.1", "", ""]
+
+
+def test_lease_expiries_are_whole_seconds_never_short_of_the_ttl() -> None:
+    """The in-flight sets' scores (lease expiries) and the settled costs' times are integers: a small
+    sorted set is a listpack, where an integer score is compared as one while a ZADD looks for its
+    place and a fractional one is parsed from its text for every member (3x the Redis CPU a ZADD)."""
+    from kiln.core.admission_lua import LIBRARY
+
+    prefix = f"kiln-test-lease-{secrets.token_hex(4)}"
+    ttl = 10
+
+    async def go() -> tuple[float, list[float], list[float], float]:
+        redis = Resp("redis://127.0.0.1:6379/0")
+        try:
+            await redis.call("FUNCTION", "LOAD", "REPLACE", LIBRARY)
+            await redis.call("FCALL", "kiln_v1_load", 1, prefix, 0, "o1", "k1", "e1", 10**12, 1, 0, "never", 0, 0)
+            await redis.call("SET", f"{prefix}:alive", 0)  # past the rebuild's grace
+            seconds, micros = await redis.call("TIME")
+            now = int(seconds) + int(micros) / 1e6
+            for i in range(3):
+                ok = await redis.call("FCALL", "kiln_v1_admit", 1, prefix, 0, "o1", "k1", f"g{i}", "p1", "m", "chat",
+                                      "generate", -1, -1, -1, -1, -1, -1, -1, -1, "never", 100, "3.0", 50, 1, 1, 100,
+                                      ttl)
+                assert ok[0] == "ok", ok
+            assert await redis.call("FCALL", "kiln_v1_extend", 1, prefix, 0, "g1", 10, "3.0", 30, -1, -1, ttl) == 10
+            scores = []
+            for zset in ("leases", "os:o1", "ks:k1"):
+                flat = await redis.call("ZRANGE", f"{prefix}:{zset}", 0, -1, "WITHSCORES")
+                scores += [float(s) for s in flat[1::2]]
+            assert await redis.call("FCALL", "kiln_v1_settle", 1, prefix, 0, "g0", 400, 60) == 1
+            settled = [float(s) for s in (await redis.call("ZRANGE", f"{prefix}:pendt", 0, -1, "WITHSCORES"))[1::2]]
+            return now, scores, settled, ttl
+        finally:
+            cursor = "0"
+            while True:
+                cursor, keys = await redis.call("SCAN", cursor, "MATCH", f"{prefix}*", "COUNT", 1000)
+                if keys:
+                    await redis.call("DEL", *keys)
+                if cursor == "0":
+                    break
+            await redis.close()
+
+    now, scores, settled, ttl = asyncio.run(go())
+    assert len(scores) == 9 and len(settled) == 1
+    for score in scores:
+        assert score == int(score), scores
+        assert now + ttl <= score <= now + ttl + 2, (now, scores)  # rounded up: never short of the TTL
+    assert settled[0] == int(settled[0]) and now - 1 <= settled[0] <= now + 1
