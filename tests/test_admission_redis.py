@@ -21,11 +21,23 @@ from pathlib import Path
 from kiln.core.resp import Resp
 
 HERE = Path(__file__).parent
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+async def _drop(redis: Resp, prefix: str) -> None:
+    """Delete this test's keys from the shared Redis (its prefix's only)."""
+    cursor = "0"
+    while True:
+        cursor, keys = await redis.call("SCAN", cursor, "MATCH", f"{prefix}*", "COUNT", 1000)
+        if keys:
+            await redis.call("DEL", *keys)
+        if cursor == "0":
+            break
 
 
 def test_admission_suite_passes_on_redis() -> None:
     prefix = f"kiln-test-parity-{secrets.token_hex(4)}"
-    env = {**os.environ, "KILN_REDIS_URL": "redis://127.0.0.1:6379/0", "KILN_REDIS_PREFIX": prefix}
+    env = {**os.environ, "KILN_REDIS_URL": REDIS_URL, "KILN_REDIS_PREFIX": prefix}
     try:
         done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                                "test_admission.py", "test_count_tokens.py"],
@@ -34,14 +46,9 @@ def test_admission_suite_passes_on_redis() -> None:
         assert " passed" in done.stdout and "failed" not in done.stdout
     finally:
         async def drop() -> None:
-            redis, cursor = Resp("redis://127.0.0.1:6379/0"), "0"
+            redis = Resp(REDIS_URL)
             try:
-                while True:  # the shared Redis: this test's keys only
-                    cursor, keys = await redis.call("SCAN", cursor, "MATCH", f"{prefix}*", "COUNT", 1000)
-                    if keys:
-                        await redis.call("DEL", *keys)
-                    if cursor == "0":
-                        break
+                await _drop(redis, prefix)
             finally:
                 await redis.close()
 
@@ -54,7 +61,7 @@ def test_arguments_reach_redis_as_sent() -> None:
     args = ["ü✓", b"\x00\r\n", "x" * 511, "x" * 512, "é" * 300, 0, -1, 2**70, 1.5, 0.1, "", b""]
 
     async def go() -> list[str]:
-        redis = Resp("redis://127.0.0.1:6379/0")
+        redis = Resp(REDIS_URL)
         try:
             await redis.call("RPUSH", key, *args)
             return await redis.call("LRANGE", key, 0, -1)  # type: ignore[no-any-return]
@@ -75,8 +82,8 @@ def test_lease_expiries_are_whole_seconds_never_short_of_the_ttl() -> None:
     prefix = f"kiln-test-lease-{secrets.token_hex(4)}"
     ttl = 10
 
-    async def go() -> tuple[float, list[float], list[float], float]:
-        redis = Resp("redis://127.0.0.1:6379/0")
+    async def go() -> tuple[float, list[float], list[float]]:
+        redis = Resp(REDIS_URL)
         try:
             await redis.call("FUNCTION", "LOAD", "REPLACE", LIBRARY)
             await redis.call("FCALL", "kiln_v1_load", 1, prefix, 0, "o1", "k1", "e1", 10**12, 1, 0, "never", 0, 0)
@@ -95,18 +102,12 @@ def test_lease_expiries_are_whole_seconds_never_short_of_the_ttl() -> None:
                 scores += [float(s) for s in flat[1::2]]
             assert await redis.call("FCALL", "kiln_v1_settle", 1, prefix, 0, "g0", 400, 60) == 1
             settled = [float(s) for s in (await redis.call("ZRANGE", f"{prefix}:pendt", 0, -1, "WITHSCORES"))[1::2]]
-            return now, scores, settled, ttl
+            return now, scores, settled
         finally:
-            cursor = "0"
-            while True:
-                cursor, keys = await redis.call("SCAN", cursor, "MATCH", f"{prefix}*", "COUNT", 1000)
-                if keys:
-                    await redis.call("DEL", *keys)
-                if cursor == "0":
-                    break
+            await _drop(redis, prefix)
             await redis.close()
 
-    now, scores, settled, ttl = asyncio.run(go())
+    now, scores, settled = asyncio.run(go())
     assert len(scores) == 9 and len(settled) == 1
     for score in scores:
         assert score == int(score), scores

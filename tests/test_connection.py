@@ -3,17 +3,21 @@ SDKs in the other tests do not, spoken over a raw socket to a real gateway."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import io
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import uvicorn
 
-from conftest import Gateway, Sim, Tenant, catalog_toml, start_gateway, stop
+from conftest import Gateway, Sim, Tenant, catalog_toml, free_port, start_gateway, stop
+from kiln.connection import ConnectionLimits, protocol_for
 
 QWEN = "qwen3-32b"
 
@@ -171,13 +175,6 @@ def header_echo() -> Iterator[str]:
     """A tiny app served by Kiln's HTTP/1.1 protocol under uvicorn on a real socket: it answers with
     the response header named by the request's `X-Name` and `X-Value` (hex), as an app might
     get one wrong."""
-    import asyncio
-    import threading
-
-    import uvicorn
-
-    from conftest import free_port
-    from kiln.connection import ConnectionLimits, protocol_for
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
