@@ -12,6 +12,7 @@ throughput and latency.
     .venv/bin/python bench/instructions.py --protocol chat --workload json
     .venv/bin/python bench/instructions.py --protocol messages --workload stream --targets kiln
     .venv/bin/python bench/instructions.py --protocol messages --workload agent --requests 120 --warmup 30
+    .venv/bin/python bench/instructions.py --protocol messages --workload paced --requests 40 --warmup 8 --concurrency 4
 """
 
 from __future__ import annotations
@@ -39,9 +40,12 @@ VALGRIND = ["valgrind", "--tool=callgrind", "--collect-atstart=yes", "--dump-ins
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--protocol", choices=PROTOCOLS, default="chat")
-    p.add_argument("--workload", choices=("json", "stream", "agent"), default="json",
-                   help="agent: the 60 KB Claude Code / Codex bodies (messages, responses). For Responses and "
-                        "Messages the bare proxy is sent the chat body Kiln made of the request")
+    p.add_argument("--workload", choices=("json", "stream", "agent", "paced"), default="json",
+                   help="agent: the 60 KB Claude Code / Codex bodies (messages, responses); paced: a stream of "
+                        "--tokens tokens, one every --delay-ms (a token a read, as a model server sends them). "
+                        "For Responses and Messages the bare proxy is sent the chat body Kiln made of the request")
+    p.add_argument("--tokens", type=int, default=100, help="paced: tokens per stream (default 100)")
+    p.add_argument("--delay-ms", type=int, default=20, help="paced: milliseconds between tokens (default 20)")
     p.add_argument("--requests", type=int, default=400, help="counted requests per target (default 400)")
     p.add_argument("--warmup", type=int, default=100, help="requests before the counters are zeroed")
     p.add_argument("--concurrency", type=int, default=8)
@@ -155,13 +159,19 @@ def main() -> int:
         else:
             stack.callback(shutil.rmtree, tmp, True)
         sim = start_sim(stack, tmp, None)
-        w = agent(a.protocol) if a.workload == "agent" else make(a.protocol, a.workload, a.workload == "stream")
+        if a.workload == "agent":
+            w = agent(a.protocol)
+        elif a.workload == "paced":
+            w = make(a.protocol, "paced", True, tokens=a.tokens, delay_ms=a.delay_ms)
+        else:
+            w = make(a.protocol, a.workload, a.workload == "stream")
         if w.rules:
             set_sim_rules(sim, w.rules)
         for target in sorted(targets, key=lambda t: t != "kiln"):  # Kiln first: the chat body it makes
             per = results[target] = measure(stack, tmp, target, sim, w, a)
             extra = f"; {cache_line(per)}" if a.cache else ""
-            print(f"{a.protocol}/{a.workload} {target}: {per['Ir'] / 1e6:.3f} M instructions per request{extra}",
+            token = f" ({per['Ir'] / a.tokens / 1e3:.1f} K a token)" if a.workload == "paced" else ""
+            print(f"{a.protocol}/{a.workload} {target}: {per['Ir'] / 1e6:.3f} M instructions per request{token}{extra}",
                   flush=True)
     if "bare" in results and "kiln" in results:
         kiln, bare = results["kiln"], results["bare"]

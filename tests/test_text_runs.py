@@ -255,3 +255,64 @@ def test_random_usages_never_read_valid_json_otherwise() -> None:
                 assert usage == Usage.from_openai(reported)
             i += taken or 1
     assert taken_odd > 20, "malformed flat usages were taken mid-run"
+
+
+def test_a_lone_payload_is_read_as_a_full_parse_reads_it_or_left_to_one() -> None:
+    """`one` (a read of one payload, a paced stream's every read) takes a payload only as the
+    reference would, with its text and usage; what it leaves is parsed, and `learn` learns the
+    skeleton from a parsed plain delta. Random streams of every kind, hostile bodies and garbled
+    usages included."""
+    rnd = random.Random(11)
+    kinds = ["plain"] * 12 + ["reasoning", "escaped", "finish", "usage", "created", "hostile", "empty", "garbled"]
+    odd = [b'{"a":1},"choices":[]', b'1,"choices":{}', b"[1]", b'{"a":}', b"{", b'{"prompt_tokens":1,,}']
+    fast = 0
+    for _ in range(300):
+        continuous = rnd.random() < 0.5
+        runs = TextRuns()
+        for k in range(rnd.randint(1, 30)):
+            kind = rnd.choice(kinds)
+            u = usage_at(k) if continuous else None
+            p = {
+                "plain": lambda: chunk(rnd.choice(WORDS), usage=u),
+                "reasoning": lambda: chunk(rnd.choice(WORDS), field="reasoning", usage=u),
+                "escaped": lambda: chunk(rnd.choice(WORDS) * 3 + "\u0007", usage=u),
+                "finish": lambda: chunk("x", finish="length", usage=u),
+                "usage": lambda: chunk(usage=usage_at(k)),
+                "created": lambda: chunk("t", created=rnd.randint(1, 3), usage=u),
+                "hostile": lambda: chunk(raw_text=rnd.choice([b'a","x":"b', b"x\\", b"\x02", b"\xff"]), usage=u),
+                "empty": lambda: chunk("", usage=u),
+                "garbled": lambda: chunk("g", usage=usage_at(k)).replace(orjson.dumps(usage_at(k)), rnd.choice(odd)),
+            }[kind]()
+            texts, ref_usage, ref_taken = reference([p], 0, 1)
+            got = runs.one(p)
+            if got is None:
+                try:
+                    runs.learn(p, orjson.loads(p))
+                except orjson.JSONDecodeError:
+                    pass  # the full path's 502
+                continue
+            fast += 1
+            field, body, usage = got
+            assert ref_taken == 1 and [(field, decode([body]))] == texts, p
+            assert usage == (Usage.from_openai(ref_usage) if ref_usage is not None else None), p
+    assert fast > 1000, "the skeleton read most plain deltas"
+
+
+@pytest.mark.parametrize("raw", [b'a","x":"b', b"trailing\\", b"bad \\q escape", b"raw \x01 control", b"\xc3"])
+@pytest.mark.parametrize("continuous", [False, True])
+def test_a_lone_body_that_is_not_one_valid_string_is_left_to_the_full_parse(raw: bytes, continuous: bool) -> None:
+    runs = TextRuns()
+    first = chunk("a", usage=usage_at(0) if continuous else None)
+    assert runs.one(first) is None, "nothing learned yet"
+    runs.learn(first, orjson.loads(first))
+    assert runs.one(chunk("b", usage=usage_at(1) if continuous else None)) == (
+        "content", b"b", Usage.from_openai(usage_at(1)) if continuous else None)
+    assert runs.one(chunk(raw_text=raw, usage=usage_at(2) if continuous else None)) is None
+
+
+@pytest.mark.parametrize("usage", [b'"text"', b"[1]", b"{", b'{"a":1},"choices":[]', b'{"prompt_tokens":1,,}'])
+def test_a_lone_usage_that_is_not_an_object_is_left_to_the_full_parse(usage: bytes) -> None:
+    runs = TextRuns()
+    first = chunk("a", usage=usage_at(0))
+    runs.learn(first, orjson.loads(first))
+    assert runs.one(chunk("b", usage=usage_at(1).copy()).replace(orjson.dumps(usage_at(1)), usage)) is None

@@ -29,6 +29,7 @@ from kiln.protocols.base import Context, Translator
 from kiln.protocols.openai.chat import ChatTranslator
 from kiln.protocols.openai.completions import CompletionsTranslator
 from kiln.protocols.openai.responses import ResponsesTranslator
+from kiln.protocols import text_runs
 from kiln.protocols.reasoning import ReasoningSeal
 from kiln.upstream import SSEParser
 
@@ -333,6 +334,14 @@ def _fresh(protocol: str) -> Translator:
     return tr
 
 
+def _parsing_only(tr: Translator) -> Translator:
+    """The translator with its text-run reader unable to learn a skeleton: every payload parsed."""
+    runs = getattr(tr, "_runs", None)
+    if runs is not None:
+        runs._learns = text_runs._LEARNS
+    return tr
+
+
 def _drive(tr: Translator, payloads: list[bytes], size: int, most: int, runs: bool) -> tuple[bytes, int, int]:
     """Feed `payloads` in reads of `size` the way the pipeline does (taking runs where the translator
     offers them, if `runs`); (what the client gets with ids blanked, output pieces, payloads taken in runs)."""
@@ -358,6 +367,26 @@ def _drive(tr: Translator, payloads: list[bytes], size: int, most: int, runs: bo
     return re.sub(rb"(msg|resp|rs|fc|toolu|call)_[0-9a-f]{24}", b"ID", b"".join(out)), delivered, taken
 
 
+@pytest.mark.parametrize("protocol", ["messages", "responses"])
+@pytest.mark.parametrize("continuous", [False, True])
+def test_a_paced_stream_reads_its_text_deltas_by_the_skeleton(protocol: str, continuous: bool,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read of one payload (a model server's pace: a token a read) is read by its bytes once
+    a text delta taught the skeleton: the same bytes as every payload parsed, far fewer parses."""
+    payloads = _backend_stream(True, continuous=continuous, thinking=True)
+    texts = [p for p in payloads if b'"content":"' in p and b'"role"' not in p and b'"content":""' not in p]
+    calls: list[bytes] = []
+    loads = orjson.loads
+    monkeypatch.setattr(orjson, "loads", lambda raw: calls.append(raw) or loads(raw))
+    lone, _, _ = _drive(_fresh(protocol), payloads, 1, 99, runs=True)
+    parsed_lone = [p for p in calls if p in texts]
+    calls.clear()
+    parsed, _, _ = _drive(_parsing_only(_fresh(protocol)), payloads, 1, 99, runs=True)
+    assert lone == parsed
+    assert len(parsed_lone) <= 2 < len(texts), "the first text delta and the one with a new field are parsed"
+    assert sum(p in texts for p in calls) == len(texts)
+
+
 @pytest.mark.parametrize("protocol", ["chat", "completions", "messages", "responses"])
 @pytest.mark.parametrize("continuous", [False, True])
 def test_a_read_taken_in_runs_gives_what_its_payloads_give_one_by_one(protocol: str, continuous: bool) -> None:
@@ -368,8 +397,9 @@ def test_a_read_taken_in_runs_gives_what_its_payloads_give_one_by_one(protocol: 
     for size, most in ((2, 99), (3, 99), (4, 99), (len(payloads), 99), (len(payloads), 3), (len(payloads), 1)):
         whole, whole_pieces, taken = _drive(_fresh(protocol), payloads, size, most, runs=True)
         single, single_pieces, _ = _drive(_fresh(protocol), payloads, size, most, runs=False)
-        assert whole == single, (size, most)
-        assert whole_pieces == single_pieces, (size, most)
+        parsed, parsed_pieces, _ = _drive(_parsing_only(_fresh(protocol)), payloads, size, most, runs=False)
+        assert whole == single == parsed, (size, most)
+        assert whole_pieces == single_pieces == parsed_pieces, (size, most)
         assert b"backend-m" not in whole.replace(b'\\"model\\":\\"backend-m\\"', b""), "the model is renamed"
         if size > 3 and most > 1 and not (continuous and protocol in ("chat", "completions")):
             # (usage on every chunk is looked at one by one where the chunks pass through)

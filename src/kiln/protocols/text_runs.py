@@ -135,6 +135,11 @@ def _plain(payload: bytes) -> tuple[str, str, Any] | None:
         data = orjson.loads(payload)
     except orjson.JSONDecodeError:
         return None
+    return _plain_data(data)
+
+
+def _plain_data(data: Any) -> tuple[str, str, Any] | None:
+    """What `_plain` says of a chunk already parsed."""
     choices = data.get("choices") if type(data) is dict else None
     if type(choices) is not list or len(choices) != 1:
         return None
@@ -246,6 +251,51 @@ class TextRuns:
                 self._skeleton = _learn(payloads[i], field, text, reported) or skeleton
             i += 1
         return groups, Usage.from_openai(usage) if usage is not None else None, i - start
+
+    def one(self, payload: bytes) -> tuple[str, bytes, Usage | None] | None:
+        """A read of one payload (how a paced stream comes: a token a read) checked against
+        the skeleton as `take` checks each payload of a run, without a run's lists and joins:
+        (field, its text as a JSON string body, the usage it reported), or None when it does
+        not fit or no skeleton is learned yet (the caller parses it, then calls `learn`)."""
+        skeleton = self._skeleton
+        if skeleton is None or not payload.startswith(skeleton.prefix):
+            return None
+        lp, tail = len(skeleton.prefix), skeleton.tail
+        raw = b""
+        if skeleton.usage:
+            at = payload.find(tail, lp)
+            if at <= lp or payload[-1:] != b"}":
+                return None
+            body, raw = payload[lp:at], payload[at + len(tail):-1]
+        elif len(payload) > lp + len(tail) and payload.endswith(tail):
+            body = payload[lp:-len(tail)]
+        else:
+            return None
+        if not body.isascii() or _UNSAFE.search(body) is not None:
+            try:
+                orjson.loads(b'"' + body + b'"')
+            except orjson.JSONDecodeError:
+                return None
+        if not skeleton.usage:
+            return skeleton.field, body, None
+        try:
+            usage = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            return None
+        if type(usage) is not dict:
+            return None
+        return skeleton.field, body, Usage.from_openai(usage)
+
+    def learn(self, payload: bytes, data: Any) -> None:
+        """After a lone payload was parsed the full way: learn its skeleton if it is a plain
+        text delta (what `take` does for a payload of a run that did not fit)."""
+        if self._learns >= _LEARNS:
+            return
+        plain = _plain_data(data)
+        if plain is not None:
+            field, text, reported = plain
+            self._learns += 1
+            self._skeleton = _learn(payload, field, text, reported) or self._skeleton
 
 
 def _add(groups: list[Group], field: str, bodies: list[bytes]) -> None:

@@ -166,6 +166,15 @@ class MessagesTranslator(ChatBacked):
     # -- stream -----------------------------------------------------------
 
     def _chunk(self, payload: bytes) -> Step:
+        blocks = self._blocks
+        if self._started and self._matcher is None and blocks is not None:
+            one = self._runs.one(payload)  # a plain text delta read alone (a paced stream's every read)
+            if one is not None:
+                field, body, usage = one
+                if usage is not None:
+                    self._usage = usage
+                blocks.text_run([(field, [body])])
+                return blocks.take(), usage, 1, False
         data = backend_json(payload)
         usage = Usage.from_openai(data["usage"]) if "usage" in data else None
         if usage is not None:
@@ -176,6 +185,8 @@ class MessagesTranslator(ChatBacked):
             return head, usage, 0, False
         assert self._blocks is not None
         said = self._choice(choices[0], part_of(choices[0], "delta"))
+        if said and self._matcher is None:
+            self._runs.learn(payload, data)
         return head + self._blocks.take(), usage, 1 if said else 0, self._stop_sequence is not None
 
     def chunks(self, payloads: list[bytes], start: int, most: int) -> Run | None:

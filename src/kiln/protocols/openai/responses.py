@@ -104,13 +104,21 @@ class ResponsesTranslator(ChatBacked):
     # -- stream -----------------------------------------------------------
 
     def _chunk(self, payload: bytes) -> Step:
+        events = self._events
+        if events is not None and events.started:  # a plain text delta read alone (a paced stream's every read)
+            one = self._runs.one(payload)
+            if one is not None:
+                field, body, usage = one
+                return events.text_run([(field, [body])]), usage, 1, False
         data = backend_json(payload)
         usage = Usage.from_openai(data["usage"]) if "usage" in data else None
         choices = choices_of(data)
         if not choices:
             return b"", usage, 0, False
-        assert self._events is not None
-        out, said = self._events.feed(choices[0], part_of(choices[0], "delta"))
+        assert events is not None
+        out, said = events.feed(choices[0], part_of(choices[0], "delta"))
+        if said:
+            self._runs.learn(payload, data)
         return out, usage, 1 if said else 0, False
 
     def chunks(self, payloads: list[bytes], start: int, most: int) -> Run | None:
