@@ -268,6 +268,7 @@ def test_sse_parser_gives_the_same_payloads_however_the_bytes_arrive(name: str) 
     b"data: a\n\ndata: b\n\ndata: c", b"data: a\n\ndata: b\n\nda", b"data: a\n\ndata: b\n\ndata: c\r",
     b"data: a\n\ndata: b\n\ndata: c\n", b"data: a", b"data: a\n\n\n",
     b"data: a\n\ndata:  b\n\n", b"data: a\n\ndata: b\nid: 7\n\ndata: c\n\n", b"data: a\n\ndata: \n\n",
+    b"data: a\n\n", b"data: [DONE]\n\n", b"data:  a\n\n", b"data: a\nid: 1\n\n", b"data: a\n\n\n\n", b"data: a\r\n\n",
 ])
 def test_the_sse_fast_path_reads_what_the_general_path_reads(piece: bytes) -> None:
     """Whole events, and a read that ends mid-event (large reads do): the same payloads, and the

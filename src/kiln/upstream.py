@@ -240,6 +240,9 @@ class SSEParser:
         else:
             data = piece
         end = data.rfind(b"\n\n") + 2  # the events that are complete; the rest waits for its end
+        if end == len(data) and data.find(b"\n") == end - 2 and data[:6] == b"data: " and data[6:7] != b" " \
+                and end <= self.max_event_bytes and data.find(b"\r") < 0:
+            return [data[6:-2]]  # one event of one line, the read of a paced stream: no split, no join
         whole = data if end == len(data) else data[:end]
         if end > 1 and whole[:6] == b"data: " and len(whole) <= self.max_event_bytes and whole.find(b"\r") < 0:
             # The common read: whole events of one `data: ` line each (a backend flushes each
