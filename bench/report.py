@@ -5,7 +5,7 @@ from __future__ import annotations
 from statistics import median
 
 from load import Result
-from measure import NAMES, Cell, LongRow
+from measure import NAMES, Cell, LongRow, PacedRow
 from soak import RssResult, SlowResult
 from workloads import Workload
 
@@ -91,6 +91,21 @@ def long_table(rows: list[LongRow], tolerance: float = 0.10) -> tuple[str, dict[
         lines.append(f"| {protocol} | {NAMES[target]} | {per_token} | {z.cpu_ms_per_stream:,.1f} | {first:.2f} "
                      f"| {second:.2f} | {'OK' if ok else 'GROWS'} ({second / first - 1 if first > 0 else 0:+.0%}) |")
     return "\n".join(lines), verdicts
+
+
+def paced_table(rows: list[PacedRow]) -> str:
+    """CPU per output token at a model server's pace, each target beside the bare proxy."""
+    by = {(r.protocol, r.target): r for r in rows}
+    targets = list(dict.fromkeys(r.target for r in rows))
+    lines = ["| protocol | " + " | ".join(f"{NAMES[t]} µs/token" for t in targets) + " | Kiln / bare proxy |",
+             "|---|" + "--:|" * (len(targets) + 1)]
+    for protocol in dict.fromkeys(r.protocol for r in rows):
+        cells = [by.get((protocol, t)) for t in targets]
+        kiln, bare = by.get((protocol, "kiln")), by.get((protocol, "bare"))
+        ratio = f"{kiln.cpu_us_per_token / bare.cpu_us_per_token:.2f}×" if kiln and bare else "–"
+        lines.append(f"| {protocol} | " + " | ".join(f"{c.cpu_us_per_token:.2f}" if c else "n/a" for c in cells)
+                     + f" | {ratio} |")
+    return "\n".join(lines)
 
 
 def first_token_table(rows: dict[str, dict[str, float | str]], limit_ms: float = 1.0) -> list[str]:

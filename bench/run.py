@@ -24,7 +24,7 @@ from typing import Callable
 import litellm_env
 import report
 from load import Result, ensure_wrk, run_aiohttp, run_wrk
-from measure import TARGETS, Bench, first_token, ledger_line, long_streams, table
+from measure import PACE, TARGETS, Bench, first_token, ledger_line, long_streams, paced_streams, table
 from servers import (START_NOFILE, BenchError, Server, cpus_for, create_tenant, raise_nofile, start_bare,
                      start_kiln, start_litellm, start_sim)
 from scaleout import Scale, redis_section, workers_section
@@ -168,6 +168,11 @@ def main_sections(a: argparse.Namespace, stack: ExitStack, tmp: Path, sim: Serve
         print("long streams:", flush=True)
         text, _ = report.long_table(long_streams(b, a.protocols, a.long_targets))
         out = [*out, "", "Long streams (CPU of the gateway per output token, one stream at a time):", "", text, ""]
+        print("paced streams:", flush=True)
+        tokens, delay_ms, conc = PACE
+        out += [f"Paced streams (CPU of the gateway per output token, {tokens} tokens a stream, one every "
+                f"{delay_ms} ms, {conc} streams at a time: a token a read, as a model server sends them):", "",
+                report.paced_table(paced_streams(b, a.protocols, a.long_targets)), ""]
     if "rss" in a.sections:
         print("RSS over time:", flush=True)
         out += report.rss_lines(rss_over_time(b, a.protocols, a.rss_requests, a.rss_concurrency,

@@ -20,7 +20,7 @@ sys.path.insert(0, str(BENCH))
 
 import agent_bodies  # noqa: E402
 import report  # noqa: E402
-from measure import LongRow  # noqa: E402
+from measure import LongRow, PacedRow  # noqa: E402
 
 
 def bench(*args: str, timeout: float = 300) -> str:
@@ -63,6 +63,14 @@ def test_long_stream_verdict_tells_linear_from_quadratic() -> None:
     text, verdicts = report.long_table(linear + quadratic)
     assert verdicts == {("chat", "kiln"): True, ("messages", "kiln"): False}
     assert "GROWS" in text
+
+
+def test_paced_streams_put_kiln_beside_the_bare_proxy_per_token() -> None:
+    rows = [PacedRow("chat", "kiln", 300, 24.0), PacedRow("chat", "bare", 300, 20.0),
+            PacedRow("messages", "kiln", 280, 30.0)]
+    text = report.paced_table(rows)
+    assert "| chat | 24.00 | 20.00 | 1.20× |" in text
+    assert "| messages | 30.00 | n/a | – |" in text
 
 
 def test_a_target_is_judged_on_paired_rounds_when_there_are_enough() -> None:
