@@ -171,25 +171,31 @@ def test_what_is_not_a_plain_text_delta_ends_the_run() -> None:
         assert same([*head, other, chunk("c")]) == 2
 
 
+KINDS = ["plain"] * 12 + ["reasoning", "escaped", "finish", "usage", "created", "hostile", "empty"]
+GARBLED = [b'{"a":1},"choices":[]', b'1,"choices":{}', b"[1]", b'{"a":}', b"{", b'{"prompt_tokens":1,,}']
+
+
+def random_chunk(rnd: random.Random, kind: str, k: int, continuous: bool) -> bytes:
+    """The k-th chunk of a random stream, of one kind (KINDS, or `garbled`: a usage no object)."""
+    u = usage_at(k) if continuous else None
+    return {
+        "plain": lambda: chunk(rnd.choice(WORDS), usage=u),
+        "reasoning": lambda: chunk(rnd.choice(WORDS), field="reasoning", usage=u),
+        "escaped": lambda: chunk(rnd.choice(WORDS) * 3 + "\u0007", usage=u),
+        "finish": lambda: chunk("x", finish="length", usage=u),
+        "usage": lambda: chunk(usage=usage_at(k)),
+        "created": lambda: chunk("t", created=rnd.randint(1, 3), usage=u),
+        "hostile": lambda: chunk(raw_text=rnd.choice([b'a","x":"b', b"x\\", b"\x02", b"\xff"]), usage=u),
+        "empty": lambda: chunk("", usage=u),
+        "garbled": lambda: chunk("g", usage=usage_at(k)).replace(orjson.dumps(usage_at(k)), rnd.choice(GARBLED)),
+    }[kind]()
+
+
 def test_random_streams_agree_with_a_full_parse() -> None:
     rnd = random.Random(7)
-    kinds = ["plain"] * 12 + ["reasoning", "escaped", "finish", "usage", "created", "hostile", "empty"]
     for _ in range(300):
         continuous = rnd.random() < 0.5
-        payloads = []
-        for k in range(rnd.randint(1, 30)):
-            kind = rnd.choice(kinds)
-            u = usage_at(k) if continuous else None
-            payloads.append({
-                "plain": lambda: chunk(rnd.choice(WORDS), usage=u),
-                "reasoning": lambda: chunk(rnd.choice(WORDS), field="reasoning", usage=u),
-                "escaped": lambda: chunk(rnd.choice(WORDS) * 3 + "\u0007", usage=u),
-                "finish": lambda: chunk("x", finish="length", usage=u),
-                "usage": lambda: chunk(usage=usage_at(k)),
-                "created": lambda: chunk("t", created=rnd.randint(1, 3), usage=u),
-                "hostile": lambda: chunk(raw_text=rnd.choice([b'a","x":"b', b"x\\", b"\x02"]), usage=u),
-                "empty": lambda: chunk("", usage=u),
-            }[kind]())
+        payloads = [random_chunk(rnd, rnd.choice(KINDS), k, continuous) for k in range(rnd.randint(1, 30))]
         runs, i = TextRuns(), 0
         while i < len(payloads):  # as the pipeline goes: a run, else one payload on its own
             i += same(payloads, i, rnd.randint(1, 40), runs) or 1
@@ -263,26 +269,12 @@ def test_a_lone_payload_is_read_as_a_full_parse_reads_it_or_left_to_one() -> Non
     skeleton from a parsed plain delta. Random streams of every kind, hostile bodies and garbled
     usages included."""
     rnd = random.Random(11)
-    kinds = ["plain"] * 12 + ["reasoning", "escaped", "finish", "usage", "created", "hostile", "empty", "garbled"]
-    odd = [b'{"a":1},"choices":[]', b'1,"choices":{}', b"[1]", b'{"a":}', b"{", b'{"prompt_tokens":1,,}']
     fast = 0
     for _ in range(300):
         continuous = rnd.random() < 0.5
         runs = TextRuns()
         for k in range(rnd.randint(1, 30)):
-            kind = rnd.choice(kinds)
-            u = usage_at(k) if continuous else None
-            p = {
-                "plain": lambda: chunk(rnd.choice(WORDS), usage=u),
-                "reasoning": lambda: chunk(rnd.choice(WORDS), field="reasoning", usage=u),
-                "escaped": lambda: chunk(rnd.choice(WORDS) * 3 + "\u0007", usage=u),
-                "finish": lambda: chunk("x", finish="length", usage=u),
-                "usage": lambda: chunk(usage=usage_at(k)),
-                "created": lambda: chunk("t", created=rnd.randint(1, 3), usage=u),
-                "hostile": lambda: chunk(raw_text=rnd.choice([b'a","x":"b', b"x\\", b"\x02", b"\xff"]), usage=u),
-                "empty": lambda: chunk("", usage=u),
-                "garbled": lambda: chunk("g", usage=usage_at(k)).replace(orjson.dumps(usage_at(k)), rnd.choice(odd)),
-            }[kind]()
+            p = random_chunk(rnd, rnd.choice([*KINDS, "garbled"]), k, continuous)
             texts, ref_usage, ref_taken = reference([p], 0, 1)
             got = runs.one(p)
             if got is None:
