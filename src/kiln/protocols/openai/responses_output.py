@@ -223,6 +223,9 @@ class EventStream:
                 assert item is not None
             item.text.extend(bodies)
             seq, self.seq = self.seq, self.seq + len(bodies)
+            if len(bodies) == 1:  # a lone delta (a paced stream's every read): the one-event template
+                out.append(_TEXT_DELTA % (seq, item.item_id.encode(), item.output_index, bodies[0]))
+                continue
             # The item's fields filled in once: each delta then formats its number and its text,
             # and the events are joined around the ends they share.
             fields = (_DELTA_ITEM % (item.item_id.encode(), item.output_index)).replace(b"%", b"%%")
