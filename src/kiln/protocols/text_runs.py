@@ -162,16 +162,24 @@ def _valid(bodies: list[bytes], usages: list[bytes]) -> tuple[int, Any]:
     joined = b"".join(bodies)
     if not joined.isascii() or _UNSAFE.search(joined) is not None:
         for k, body in enumerate(bodies):
-            if body.isascii() and _UNSAFE.search(body) is None:
-                continue
-            try:
-                orjson.loads(b'"' + body + b'"')
-            except orjson.JSONDecodeError:
+            if not _string_body(body):
                 good = k
                 break
     if not usages or not good:
         return good, None
     return _usages(usages, good)
+
+
+def _string_body(body: bytes) -> bool:
+    """Whether `body` is one valid JSON string body: ASCII without a quote, a backslash or a
+    control character is; anything else is what a parse of it as a string says."""
+    if body.isascii() and _UNSAFE.search(body) is None:
+        return True
+    try:
+        orjson.loads(b'"' + body + b'"')
+    except orjson.JSONDecodeError:
+        return False
+    return True
 
 
 def _usages(usages: list[bytes], good: int) -> tuple[int, Any]:
@@ -271,11 +279,8 @@ class TextRuns:
             body = payload[lp:-len(tail)]
         else:
             return None
-        if not body.isascii() or _UNSAFE.search(body) is not None:
-            try:
-                orjson.loads(b'"' + body + b'"')
-            except orjson.JSONDecodeError:
-                return None
+        if not _string_body(body):
+            return None
         if not skeleton.usage:
             return skeleton.field, body, None
         try:
