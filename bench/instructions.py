@@ -32,6 +32,7 @@ import aiohttp
 
 from servers import (ADMIN_KEY, PY, HERE, BenchError, Server, _answers, create_tenant, first_upstream_body,
                      forget_requests, free_port, kiln_config, set_sim_rules, spawn, start_sim, wait_until)
+from scaleout import SETUPS, own_services
 from workloads import PROTOCOLS, Workload, agent, make
 
 VALGRIND = ["valgrind", "--tool=callgrind", "--collect-atstart=yes", "--dump-instr=no", "--combine-dumps=yes"]
@@ -50,6 +51,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100, help="requests before the counters are zeroed")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--targets", default="bare,kiln", help="bare,kiln (default) or one of them")
+    p.add_argument("--setup", default="memory", choices=[k for k, v in SETUPS.items() if v.workers == 1],
+                   help="Kiln's database and admission, as in bench/scaleout.py (default memory: SQLite, "
+                        "in-process); memory+pg and redis+pg count what Redis admission costs the gateway")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (callgrind dumps for callgrind_annotate)")
     p.add_argument("--cache", action="store_true",
                    help="also simulate the caches (valgrind's model of this CPU's): first-level instruction and "
@@ -65,7 +69,8 @@ def under_valgrind(stack: ExitStack, tmp: Path, name: str, cmd: list[str], env: 
     return Server(name, "", proc, tmp / f"{name}.log"), out
 
 
-def start(stack: ExitStack, tmp: Path, target: str, sim_url: str, cache: bool = False) -> tuple[Server, Path]:
+def start(stack: ExitStack, tmp: Path, target: str, sim_url: str, cache: bool = False,
+          setup: str = "memory") -> tuple[Server, Path]:
     import os
 
     port = free_port()
@@ -77,6 +82,9 @@ def start(stack: ExitStack, tmp: Path, target: str, sim_url: str, cache: bool = 
         cmd = [PY, "-m", "kiln", "serve", "--config", str(config), "--port", str(port)]
         env = {**os.environ, "KILN_ADMIN_KEY": ADMIN_KEY, "KILN_CONFIG": str(config), "KILN_PORT": str(port),
                "KILN_DATA_DIR": str(tmp / "kiln-data")}
+        chosen = SETUPS[setup]
+        suffix = f"instr_{os.getpid()}_{setup.replace('+', '_')}"
+        env.update(own_services(stack, suffix, chosen.database == "PostgreSQL", chosen.admission == "Redis"))
     server, out = under_valgrind(stack, tmp, target, cmd, env, cache)
     server.url = f"http://127.0.0.1:{port}"
     wait_until(lambda: _answers(server.url + "/health"), server.proc, server.log, f"{target} under valgrind", 600)
@@ -120,7 +128,7 @@ def cache_line(per: dict[str, float]) -> str:
 def measure(stack: ExitStack, tmp: Path, target: str, sim: Server, w: Workload,
             a: argparse.Namespace) -> dict[str, float]:
     """Events per request (Ir, and the cache misses with --cache)."""
-    server, out = start(stack, tmp, target, sim.url, a.cache)
+    server, out = start(stack, tmp, target, sim.url, a.cache, a.setup)
     headers = {}
     url, body = server.url + w.path, w.body
     if target == "kiln":
@@ -171,7 +179,9 @@ def main() -> int:
             per = results[target] = measure(stack, tmp, target, sim, w, a)
             extra = f"; {cache_line(per)}" if a.cache else ""
             token = f" ({per['Ir'] / a.tokens / 1e3:.1f} K a token)" if a.workload == "paced" else ""
-            print(f"{a.protocol}/{a.workload} {target}: {per['Ir'] / 1e6:.3f} M instructions per request{token}{extra}",
+            where = f" ({a.setup})" if target == "kiln" and a.setup != "memory" else ""
+            print(f"{a.protocol}/{a.workload} {target}{where}: {per['Ir'] / 1e6:.3f} M instructions per request"
+                  f"{token}{extra}",
                   flush=True)
     if "bare" in results and "kiln" in results:
         kiln, bare = results["kiln"], results["bare"]

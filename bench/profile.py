@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from load import ensure_wrk, run_aiohttp, run_wrk
 from measure import Bench, prepare
+from scaleout import SETUPS, own_services
 from servers import START_NOFILE, BenchError, cpus_for, create_tenant, start_bare, start_kiln, start_sim
 from workloads import PROTOCOLS, agent, make
 
@@ -46,6 +48,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
     p.add_argument("--target", choices=("kiln", "bare"), default="kiln",
                    help="the process to sample: Kiln, or the bare proxy (bench/bare_proxy.py) on the same load")
+    p.add_argument("--setup", default="memory", choices=[k for k, v in SETUPS.items() if v.workers == 1],
+                   help="Kiln's database and admission, as in bench/scaleout.py (default memory: SQLite, in-process)")
     p.add_argument("--top", type=int, default=20, help="functions to list (speedscope only; default 20)")
     p.add_argument("--no-pin", action="store_true")
     a = p.parse_args()
@@ -97,7 +101,9 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="kiln-profile-"))
         stack.callback(shutil.rmtree, tmp, True)
         sim = start_sim(stack, tmp, load_cpu)
-        kiln = start_kiln(stack, tmp, sim.url, gw_cpu, a.server, START_NOFILE)
+        chosen = SETUPS[a.setup]
+        env = own_services(stack, f"profile_{os.getpid()}", chosen.database == "PostgreSQL", chosen.admission == "Redis")
+        kiln = start_kiln(stack, tmp, sim.url, gw_cpu, a.server, START_NOFILE, env=env)
         _, key = create_tenant(kiln)
         servers = {"direct": sim, "kiln": kiln}
         if a.target == "bare":  # Kiln stays up, idle: its upstream call is the bare proxy's request

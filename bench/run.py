@@ -135,7 +135,7 @@ def run(a: argparse.Namespace, stack: ExitStack, tmp: Path, load_fn: Callable[..
             print("workers (1 vs 2):", flush=True)
             out += workers_section(s, modes)
         if "redis" in a.sections:
-            print("admission (in-process vs Redis):", flush=True)
+            print("admission (in-process vs Redis, on PostgreSQL):", flush=True)
             out += redis_section(s, modes)
         out += s.ledger
     return out
