@@ -37,20 +37,46 @@ def _wait_port(port: int, up: bool, timeout: float = 30.0) -> None:
 
 
 class RedisServer:
-    def __init__(self) -> None:
+    """`options`: more redis-server flags (a password, a socket file, TLS: see `tls_options`)."""
+
+    def __init__(self, *options: str) -> None:
         self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kiln-redis-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.options = options
 
     @property
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
+    @property
+    def socket(self) -> Path:
+        """Where `--unixsocket` may put its socket file."""
+        return self.dir / "redis.sock"
+
+    def tls_options(self, port: int) -> tuple[str, ...]:
+        """Flags for TLS on `port`, with a certificate for localhost and 127.0.0.1 signed by a CA
+        made here (`self.dir / "ca.crt"`), by the openssl command."""
+        d = self.dir
+
+        def openssl(*args: str) -> None:
+            subprocess.run(["openssl", *args], check=True, capture_output=True, timeout=60)
+
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "ca.key"), "-out",
+                str(d / "ca.crt"), "-days", "2", "-subj", "/CN=kiln-test-ca")
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(d / "server.key"), "-out",
+                str(d / "server.csr"), "-subj", "/CN=localhost")
+        (d / "ext.cnf").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+        openssl("x509", "-req", "-in", str(d / "server.csr"), "-CA", str(d / "ca.crt"), "-CAkey", str(d / "ca.key"),
+                "-CAcreateserial", "-out", str(d / "server.crt"), "-days", "2", "-extfile", str(d / "ext.cnf"))
+        return ("--tls-port", str(port), "--tls-cert-file", str(d / "server.crt"), "--tls-key-file",
+                str(d / "server.key"), "--tls-ca-cert-file", str(d / "ca.crt"), "--tls-auth-clients", "no")
+
     def start(self) -> None:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.proc = subprocess.Popen(
             [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "--dir", str(self.dir), *self.options], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         _wait_port(self.port, up=True)
 
     def stop(self) -> None:

@@ -250,7 +250,9 @@ def _apply_env(env: dict[str, str], settings: Settings, problems: list[str]) -> 
             except ValueError:
                 problems.append(f"{var}: not a valid {name}: {env[var]!r}")
     if settings.redis_url and not settings.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        problems.append(f"server.redis_url: expected redis://HOST:PORT/DB, got {settings.redis_url!r}")
+        scheme = settings.redis_url.partition(":")[0]  # not the URL: it may hold a password
+        problems.append("server.redis_url: expected redis://HOST:PORT/DB, rediss://HOST:PORT/DB (TLS) or "
+                        f"unix:///PATH?db=N, got a URL of scheme {scheme!r}")
     if settings.database and not settings.database.startswith(("sqlite:///", "postgres://", "postgresql://")):
         problems.append(f"server.database: expected sqlite:///PATH or postgresql://..., got {settings.database!r}")
     settings.admin_key = env.get("KILN_ADMIN_KEY") or None

@@ -15,10 +15,11 @@ reconnects (at most once per `retry_s`, so a dead server costs no connect storm)
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections import deque
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
 
@@ -64,6 +65,12 @@ class _Protocol(asyncio.Protocol):
                 fut.set_exception(exc)
 
 
+def _tls(query: dict[str, list[str]]) -> ssl.SSLContext:
+    """A verifying client context: the system's CAs, or the file named by `ssl_ca_certs`."""
+    cafile = query.get("ssl_ca_certs", [None])[-1]
+    return ssl.create_default_context(cafile=cafile)
+
+
 def _encode(arg: object) -> bytes:
     if isinstance(arg, bytes):
         return arg
@@ -101,16 +108,31 @@ def pack(args: tuple[object, ...]) -> bytes:
     return b"\r\n".join(parts)
 
 
+URLS = "redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix://[[user]:password@]/path?db=N"
+
+
 class Resp:
+    """`url`: redis:// (TCP), rediss:// (TLS, verified against the system's CAs or the
+    `ssl_ca_certs` file given in the query) or unix:// (a socket file: on one machine, a round
+    trip costs the kernel about half of what loopback TCP does). A password and, for unix://,
+    the database may also come as `password` and `db` in the query, as redis-py takes them."""
+
     def __init__(self, url: str, timeout_s: float = 2.0, retry_s: float = 0.5) -> None:
         parts = urlsplit(url)
-        if parts.scheme not in ("redis", ""):
-            raise ValueError(f"unsupported Redis URL {url!r} (redis://[:password@]host[:port][/db])")
+        if parts.scheme not in ("redis", "rediss", "unix", ""):
+            raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r} ({URLS})")  # the URL may hold a password
+        query = parse_qs(parts.query)
+        self.path = unquote(parts.path) if parts.scheme == "unix" else None
+        if parts.scheme == "unix" and not self.path:
+            raise ValueError(f"a unix:// Redis URL needs the socket's path ({URLS})")
         self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 6379
-        self.password = unquote(parts.password) if parts.password else None
+        self.port = 0 if self.path is not None else parts.port or 6379
+        password = unquote(parts.password) if parts.password else query.get("password", [None])[-1]
+        self.password = password or None
         self.username = unquote(parts.username) if parts.username else None
-        self.db = int(parts.path.strip("/") or 0)
+        db = query["db"][-1] if "db" in query else "" if self.path is not None else parts.path.strip("/")
+        self.db = int(db or 0)
+        self.tls = _tls(query) if parts.scheme == "rediss" else None
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._proto: _Protocol | None = None
@@ -147,14 +169,18 @@ class Resp:
         loop = asyncio.get_running_loop()
         self._connecting = loop.create_future()
         try:
-            _, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: _Protocol(self._lost), self.host, self.port), self.timeout_s)
+            if self.path is not None:
+                opening = loop.create_unix_connection(lambda: _Protocol(self._lost), self.path)
+            else:
+                opening = loop.create_connection(lambda: _Protocol(self._lost), self.host, self.port, ssl=self.tls)
+            _, proto = await asyncio.wait_for(opening, self.timeout_s)
             self._proto = proto
             for command in self._handshake():
                 await asyncio.wait_for(self.call(*command), self.timeout_s)
-        except (OSError, asyncio.TimeoutError, RedisError) as exc:
+        except (OSError, asyncio.TimeoutError, RedisError) as exc:  # ssl.SSLError is an OSError
             self._drop()
-            err = ConnectionError(f"cannot connect to Redis at {self.host}:{self.port}: {exc}")
+            where = self.path if self.path is not None else f"{self.host}:{self.port}"
+            err = ConnectionError(f"cannot connect to Redis at {where}: {exc}")
             self._connecting.set_exception(err)
             self._connecting.exception()  # retrieved: no "never retrieved" warning
             self._connecting = None
