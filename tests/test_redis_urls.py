@@ -71,10 +71,17 @@ def test_a_tls_url_is_verified() -> None:
         server.stop()
 
 
-def test_a_url_of_another_scheme_is_a_configuration_error_that_keeps_its_password(sim: Any) -> None:
+@pytest.mark.parametrize(("url", "says"), [
+    ("http://:hunter2@127.0.0.1:6379/0", "scheme 'http'"),
+    ("redis://:hunter2@127.0.0.1:63x9/0", "port is not a number"),
+    ("redis://:hunter2@127.0.0.1:6379/zero", "database is not a number"),
+    ("unix://:hunter2@", "socket file's path"),
+])
+def test_a_url_that_names_no_redis_is_a_configuration_error_that_keeps_its_password(sim: Any, url: str,
+                                                                                     says: str) -> None:
     with pytest.raises(RuntimeError, match="redis_url") as refused:
-        start_gateway(catalog_toml(sim.url), env={"KILN_REDIS_URL": "http://:hunter2@127.0.0.1:6379/0"})
-    assert "scheme 'http'" in str(refused.value) and "hunter2" not in str(refused.value)
+        start_gateway(catalog_toml(sim.url), env={"KILN_REDIS_URL": url})
+    assert says in str(refused.value) and "hunter2" not in str(refused.value)
     assert "Traceback" not in str(refused.value)
 
 

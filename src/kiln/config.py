@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kiln.catalog import BACKEND_KINDS, DEFAULT_MAX_IN_FLIGHT, TOOL_CHOICE_MODES, Timeouts
+from kiln.core import redis_url
 
 DEFAULT_PORT = 8080
 DEMO_MODEL = "demo-model"
@@ -249,10 +250,11 @@ def _apply_env(env: dict[str, str], settings: Settings, problems: list[str]) -> 
                 setattr(settings, name, conv(env[var]))
             except ValueError:
                 problems.append(f"{var}: not a valid {name}: {env[var]!r}")
-    if settings.redis_url and not settings.redis_url.startswith(("redis://", "rediss://", "unix://")):
-        scheme = settings.redis_url.partition(":")[0]  # not the URL: it may hold a password
-        problems.append("server.redis_url: expected redis://HOST:PORT/DB, rediss://HOST:PORT/DB (TLS) or "
-                        f"unix:///PATH?db=N, got a URL of scheme {scheme!r}")
+    if settings.redis_url:
+        try:
+            redis_url.parse(settings.redis_url)
+        except ValueError as exc:  # its message never holds the URL, which may hold a password
+            problems.append(f"server.redis_url: {exc}")
     if settings.database and not settings.database.startswith(("sqlite:///", "postgres://", "postgresql://")):
         problems.append(f"server.database: expected sqlite:///PATH or postgresql://..., got {settings.database!r}")
     settings.admin_key = env.get("KILN_ADMIN_KEY") or None

@@ -19,9 +19,10 @@ import ssl
 import time
 from collections import deque
 from typing import Any
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import hiredis
+
+from kiln.core.redis_url import parse
 
 
 class RedisError(Exception):
@@ -65,12 +66,6 @@ class _Protocol(asyncio.Protocol):
                 fut.set_exception(exc)
 
 
-def _tls(query: dict[str, list[str]]) -> ssl.SSLContext:
-    """A verifying client context: the system's CAs, or the file named by `ssl_ca_certs`."""
-    cafile = query.get("ssl_ca_certs", [None])[-1]
-    return ssl.create_default_context(cafile=cafile)
-
-
 def _encode(arg: object) -> bytes:
     if isinstance(arg, bytes):
         return arg
@@ -108,31 +103,14 @@ def pack(args: tuple[object, ...]) -> bytes:
     return b"\r\n".join(parts)
 
 
-URLS = "redis://[[user]:password@]host[:port][/db], rediss://... (TLS) or unix://[[user]:password@]/path?db=N"
-
-
 class Resp:
-    """`url`: redis:// (TCP), rediss:// (TLS, verified against the system's CAs or the
-    `ssl_ca_certs` file given in the query) or unix:// (a socket file: on one machine, a round
-    trip costs the kernel about half of what loopback TCP does). A password and, for unix://,
-    the database may also come as `password` and `db` in the query, as redis-py takes them."""
+    """One pipelined connection to the Redis at `url` (kiln.core.redis_url: TCP, TLS or a socket file)."""
 
     def __init__(self, url: str, timeout_s: float = 2.0, retry_s: float = 0.5) -> None:
-        parts = urlsplit(url)
-        if parts.scheme not in ("redis", "rediss", "unix", ""):
-            raise ValueError(f"unsupported Redis URL scheme {parts.scheme!r} ({URLS})")  # the URL may hold a password
-        query = parse_qs(parts.query)
-        self.path = unquote(parts.path) if parts.scheme == "unix" else None
-        if parts.scheme == "unix" and not self.path:
-            raise ValueError(f"a unix:// Redis URL needs the socket's path ({URLS})")
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = 0 if self.path is not None else parts.port or 6379
-        password = unquote(parts.password) if parts.password else query.get("password", [None])[-1]
-        self.password = password or None
-        self.username = unquote(parts.username) if parts.username else None
-        db = query["db"][-1] if "db" in query else "" if self.path is not None else parts.path.strip("/")
-        self.db = int(db or 0)
-        self.tls = _tls(query) if parts.scheme == "rediss" else None
+        address = parse(url)
+        self.host, self.port, self.path, self.db = address.host, address.port, address.path, address.db
+        self.username, self.password = address.username, address.password
+        self.tls = ssl.create_default_context(cafile=address.ca_file) if address.tls else None
         self.timeout_s = timeout_s
         self.retry_s = retry_s
         self._proto: _Protocol | None = None
