@@ -369,3 +369,8 @@ def test_backend_kind_is_checked_and_kept(tmp_path: Path) -> None:
     path.write_text(model % "llamacpp")
     [backend] = wiring.build_catalog(config.load(path, env={}), env={}).models[0].backends
     assert backend.kind == "llamacpp"
+
+
+def test_a_database_url_of_another_kind_is_refused_without_its_password(tmp_path: Path) -> None:
+    out = problems(serve(tmp_path, GOOD_MODEL, env={"KILN_DATABASE": "mysql://kiln:hunter2@db.example.com/kiln"}))
+    assert "scheme 'mysql'" in line_with(out, "server.database") and "hunter2" not in out

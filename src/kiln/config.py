@@ -256,7 +256,8 @@ def _apply_env(env: dict[str, str], settings: Settings, problems: list[str]) -> 
         except ValueError as exc:  # its message never holds the URL, which may hold a password
             problems.append(f"server.redis_url: {exc}")
     if settings.database and not settings.database.startswith(("sqlite:///", "postgres://", "postgresql://")):
-        problems.append(f"server.database: expected sqlite:///PATH or postgresql://..., got {settings.database!r}")
+        scheme = settings.database.partition(":")[0]  # not the URL: it may hold a password
+        problems.append(f"server.database: expected sqlite:///PATH or postgresql://..., got a URL of scheme {scheme!r}")
     settings.admin_key = env.get("KILN_ADMIN_KEY") or None
     settings.reasoning_secret = env.get("KILN_REASONING_SECRET") or None
     settings.test_clock = env.get("KILN_TEST_CLOCK") == "1"
