@@ -3,7 +3,7 @@
 Three forms, as redis-py takes them: `redis://[[user]:password@]host[:port][/db]` (TCP),
 `rediss://...` (TLS, verified against the system's CAs or the `ssl_ca_certs` file in the
 query) and `unix://[[user]:password@]/path/to/redis.sock?db=N` (a socket file: on one
-machine a round trip costs the kernel about half of what loopback TCP does). A password may
+machine a round trip costs the kernel a third to a half less than loopback TCP). A password may
 also come as `?password=`. Errors name what is wrong, never the URL: it may hold a password.
 """
 
