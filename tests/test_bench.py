@@ -47,7 +47,7 @@ def test_repeated_cells_pair_kiln_with_the_bare_proxy() -> None:
 
 
 def test_kiln_app_runs_unchanged_on_granian() -> None:
-    pytest.importorskip("granian")
+    """The app is plain ASGI: another server runs it as it is (granian is in the test extra)."""
     out = bench("--sections", "table", "--protocols", "chat,responses,messages", "--modes", "stream",
                 "--targets", "direct,kiln", "--concurrency", "1", "--server", "granian")
     assert "server: granian" in out
