@@ -32,7 +32,7 @@ import aiohttp
 
 from servers import (ADMIN_KEY, PY, HERE, BenchError, Server, _answers, create_tenant, first_upstream_body,
                      forget_requests, free_port, kiln_config, set_sim_rules, spawn, start_sim, wait_until)
-from scaleout import SETUPS, own_services
+from scaleout import ONE_WORKER, setup_services
 from workloads import PROTOCOLS, Workload, agent, make
 
 VALGRIND = ["valgrind", "--tool=callgrind", "--collect-atstart=yes", "--dump-instr=no", "--combine-dumps=yes"]
@@ -51,7 +51,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100, help="requests before the counters are zeroed")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--targets", default="bare,kiln", help="bare,kiln (default) or one of them")
-    p.add_argument("--setup", default="memory", choices=[k for k, v in SETUPS.items() if v.workers == 1],
+    p.add_argument("--setup", default="memory", choices=ONE_WORKER,
                    help="Kiln's database and admission, as in bench/scaleout.py (default memory: SQLite, "
                         "in-process); memory+pg and redis+pg count what Redis admission costs the gateway")
     p.add_argument("--keep", action="store_true", help="keep the temp dir (callgrind dumps for callgrind_annotate)")
@@ -82,9 +82,7 @@ def start(stack: ExitStack, tmp: Path, target: str, sim_url: str, cache: bool = 
         cmd = [PY, "-m", "kiln", "serve", "--config", str(config), "--port", str(port)]
         env = {**os.environ, "KILN_ADMIN_KEY": ADMIN_KEY, "KILN_CONFIG": str(config), "KILN_PORT": str(port),
                "KILN_DATA_DIR": str(tmp / "kiln-data")}
-        chosen = SETUPS[setup]
-        suffix = f"instr_{os.getpid()}_{setup.replace('+', '_')}"
-        env.update(own_services(stack, suffix, chosen.database == "PostgreSQL", chosen.admission == "Redis"))
+        env.update(setup_services(stack, setup, f"instr_{os.getpid()}_{setup.replace('+', '_')}"))
     server, out = under_valgrind(stack, tmp, target, cmd, env, cache)
     server.url = f"http://127.0.0.1:{port}"
     wait_until(lambda: _answers(server.url + "/health"), server.proc, server.log, f"{target} under valgrind", 600)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from load import ensure_wrk, run_aiohttp, run_wrk
 from measure import Bench, prepare
-from scaleout import SETUPS, own_services
+from scaleout import ONE_WORKER, setup_services
 from servers import START_NOFILE, BenchError, cpus_for, create_tenant, start_bare, start_kiln, start_sim
 from workloads import PROTOCOLS, agent, make
 
@@ -48,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--server", choices=("uvicorn", "granian"), default="uvicorn")
     p.add_argument("--target", choices=("kiln", "bare"), default="kiln",
                    help="the process to sample: Kiln, or the bare proxy (bench/bare_proxy.py) on the same load")
-    p.add_argument("--setup", default="memory", choices=[k for k, v in SETUPS.items() if v.workers == 1],
+    p.add_argument("--setup", default="memory", choices=ONE_WORKER,
                    help="Kiln's database and admission, as in bench/scaleout.py (default memory: SQLite, in-process)")
     p.add_argument("--top", type=int, default=20, help="functions to list (speedscope only; default 20)")
     p.add_argument("--no-pin", action="store_true")
@@ -101,8 +101,7 @@ def main() -> int:
         tmp = Path(tempfile.mkdtemp(prefix="kiln-profile-"))
         stack.callback(shutil.rmtree, tmp, True)
         sim = start_sim(stack, tmp, load_cpu)
-        chosen = SETUPS[a.setup]
-        env = own_services(stack, f"profile_{os.getpid()}", chosen.database == "PostgreSQL", chosen.admission == "Redis")
+        env = setup_services(stack, a.setup, f"profile_{os.getpid()}")
         kiln = start_kiln(stack, tmp, sim.url, gw_cpu, a.server, START_NOFILE, env=env)
         _, key = create_tenant(kiln)
         servers = {"direct": sim, "kiln": kiln}

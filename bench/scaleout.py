@@ -68,6 +68,7 @@ SETUPS = {
     "redis+pg x2": Setup("PostgreSQL", "Redis", 2),
 }
 CLI_SETUPS = ("memory", "memory+pg", "redis+pg", "redis+pg x2")
+ONE_WORKER = tuple(name for name, setup in SETUPS.items() if setup.workers == 1)  # instructions.py, profile.py
 WORKLOADS = {"non-stream": ("json", False), "stream": ("stream", True)}  # CLI name -> chat workload
 
 
@@ -178,6 +179,12 @@ class Scale:
         return None
 
 
+def setup_services(stack: ExitStack, name: str, suffix: str) -> dict[str, str]:
+    """The environment of setup `name`'s gateway: its own PostgreSQL schema and/or Redis key prefix."""
+    setup = SETUPS[name]
+    return own_services(stack, suffix, setup.database == "PostgreSQL", setup.admission == "Redis")
+
+
 def own_services(stack: ExitStack, suffix: str, pg: bool, redis: bool) -> dict[str, str]:
     """The environment of a gateway with a PostgreSQL schema and/or a Redis key prefix of its own,
     both removed when `stack` closes (after the gateway stopped: callbacks run last in, first out)."""
@@ -200,7 +207,7 @@ def start_setup(s: Scale, stack: ExitStack, name: str) -> Server | None:
         return None
     slug = name.replace(" ", "-").replace("+", "-")
     suffix = f"{s.tag}_{slug.replace('-', '_')}"
-    env = own_services(stack, suffix, setup.database == "PostgreSQL", setup.admission == "Redis")
+    env = setup_services(stack, name, suffix)
     try:
         return start_kiln(stack, s.tmp, s.sim.url, s.cpus(setup.workers), name=slug, workers=setup.workers,
                           env=env)

@@ -40,7 +40,10 @@ def parse(url: str) -> RedisAddress:
         port = parts.port or 6379
     except ValueError:
         raise ValueError(f"the port is not a number ({FORMS})") from None
-    db = query["db"][-1] if "db" in query else parts.path.strip("/") if path is None else ""
+    if "db" in query:
+        db = query["db"][-1]
+    else:  # redis://host/N names it in the path; a socket file's path is the file
+        db = parts.path.strip("/") if path is None else ""
     if not (db or "0").isdigit():
         raise ValueError(f"the database is not a number ({FORMS})")
     password = unquote(parts.password) if parts.password else query.get("password", [""])[-1]

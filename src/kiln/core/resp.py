@@ -107,9 +107,7 @@ class Resp:
     """One pipelined connection to the Redis at `url` (kiln.core.redis_url: TCP, TLS or a socket file)."""
 
     def __init__(self, url: str, timeout_s: float = 2.0, retry_s: float = 0.5) -> None:
-        address = parse(url)
-        self.host, self.port, self.path, self.db = address.host, address.port, address.path, address.db
-        self.username, self.password = address.username, address.password
+        self.address = address = parse(url)
         self.tls = ssl.create_default_context(cafile=address.ca_file) if address.tls else None
         self.timeout_s = timeout_s
         self.retry_s = retry_s
@@ -147,17 +145,18 @@ class Resp:
         loop = asyncio.get_running_loop()
         self._connecting = loop.create_future()
         try:
-            if self.path is not None:
-                opening = loop.create_unix_connection(lambda: _Protocol(self._lost), self.path)
+            at = self.address
+            if at.path is not None:
+                opening = loop.create_unix_connection(lambda: _Protocol(self._lost), at.path)
             else:
-                opening = loop.create_connection(lambda: _Protocol(self._lost), self.host, self.port, ssl=self.tls)
+                opening = loop.create_connection(lambda: _Protocol(self._lost), at.host, at.port, ssl=self.tls)
             _, proto = await asyncio.wait_for(opening, self.timeout_s)
             self._proto = proto
             for command in self._handshake():
                 await asyncio.wait_for(self.call(*command), self.timeout_s)
         except (OSError, asyncio.TimeoutError, RedisError) as exc:  # ssl.SSLError is an OSError
             self._drop()
-            where = self.path if self.path is not None else f"{self.host}:{self.port}"
+            where = self.address.path or f"{self.address.host}:{self.address.port}"
             err = ConnectionError(f"cannot connect to Redis at {where}: {exc}")
             self._connecting.set_exception(err)
             self._connecting.exception()  # retrieved: no "never retrieved" warning
@@ -171,11 +170,11 @@ class Resp:
 
     def _handshake(self) -> list[tuple[object, ...]]:
         commands: list[tuple[object, ...]] = []
-        if self.password is not None:
-            commands.append(("AUTH", self.password) if self.username is None
-                            else ("AUTH", self.username, self.password))
-        if self.db:
-            commands.append(("SELECT", self.db))
+        at = self.address
+        if at.password is not None:
+            commands.append(("AUTH", at.password) if at.username is None else ("AUTH", at.username, at.password))
+        if at.db:
+            commands.append(("SELECT", at.db))
         return commands
 
     def _lost(self, proto: _Protocol) -> None:

@@ -254,9 +254,7 @@ class TextRuns:
             _add(groups, field, [body_of(text)])
             if reported is not None:
                 usage = reported
-            if self._learns < _LEARNS:  # it did not fit the skeleton (if any): learn from it
-                self._learns += 1
-                self._skeleton = _learn(payloads[i], field, text, reported) or skeleton
+            self._teach(payloads[i], plain)  # it did not fit the skeleton (if any): learn from it
             i += 1
         return groups, Usage.from_openai(usage) if usage is not None else None, i - start
 
@@ -294,12 +292,17 @@ class TextRuns:
     def learn(self, payload: bytes, data: Any) -> None:
         """After a lone payload was parsed the full way: learn its skeleton if it is a plain
         text delta (what `take` does for a payload of a run that did not fit)."""
-        if self._learns >= _LEARNS:
-            return
-        plain = _plain_data(data)
-        if plain is not None:
-            field, text, reported = plain
+        if self._learns < _LEARNS:
+            plain = _plain_data(data)
+            if plain is not None:
+                self._teach(payload, plain)
+
+    def _teach(self, payload: bytes, plain: tuple[str, str, Any]) -> None:
+        """A new skeleton from a plain text delta (kept the old one if its bytes do not fit), a
+        few times per stream at most."""
+        if self._learns < _LEARNS:
             self._learns += 1
+            field, text, reported = plain
             self._skeleton = _learn(payload, field, text, reported) or self._skeleton
 
 
